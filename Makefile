@@ -1,0 +1,37 @@
+# `make demo` and `make test` each set up .venv by themselves (quick when it is up to date).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo demo-routing test parity lint bench bench-quick clean
+
+$(STAMP): pyproject.toml requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m examples.demo
+
+demo-routing: $(STAMP)
+	$(PY) -m examples.routing_table
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+parity: $(STAMP)
+	$(PY) -m pytest -q parity_tests/test_parity.py
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.cp_bench
+
+bench-quick: $(STAMP)
+	$(PY) -m benchmarks.cp_bench --quick
+
+clean:
+	rm -rf $(VENV) out

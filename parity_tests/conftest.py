@@ -1,0 +1,11 @@
+"""Simulated devices for the whole suite: 8 JAX host devices (set before JAX starts), float64 on."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+import jax  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)

@@ -1,0 +1,129 @@
+"""The JAX reference against the brute-force statements in `expected`, forward and VJP, exactly.
+
+Integer-valued data: every value and every sum is exact, so equality is exact. With n devices and
+L = 3, device r holds global tokens [3r, 3r + 3).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_reference
+from parity_tests import expected, jax_harness
+
+L = 3
+WORLDS = [1, 2, 3, 4, 8]
+LAYOUTS = [(1, ()), (2, (3,))]  # (batch, trailing dims)
+
+
+def halo_sizes(n):
+    return sorted({0, 1, L - 1, L, L + 1, 2 * L + 1, (n - 1) * L, n * L + 5})
+
+
+def cases():
+    for n in WORLDS:
+        for halo_size in halo_sizes(n):
+            for left_padding in (0, 2):
+                for batch, trailing in LAYOUTS:
+                    yield n, halo_size, left_padding, batch, trailing
+
+
+def unpad(static_out, torch_len):
+    """The last `torch_len` positions of a static-shape JAX output; asserts the rest is zero."""
+    front = static_out.shape[1] - torch_len
+    assert not static_out[:, :front].any()
+    return static_out[:, front:]
+
+
+@pytest.mark.parametrize("n,halo_size,left_padding,batch,trailing", list(cases()))
+def test_gather_halo_forward_and_vjp(n, halo_size, left_padding, batch, trailing):
+    x = expected.stamped((batch, n * L, *trailing), np.float32)
+    static_len = left_padding + min(halo_size, (n - 1) * L) + L
+    rng = np.random.default_rng(n * 1000 + halo_size)
+    cotangent = expected.small_ints(rng, (n, batch, static_len, *trailing), np.float32)
+
+    y, grad = jax_harness.run(
+        "gather_halo", x, n, cotangent, halo_size=halo_size, left_padding=left_padding
+    )
+
+    want = expected.halo_forward(x, n, halo_size, left_padding)
+    assert y.shape == (n, batch, static_len, *trailing) and y.dtype == np.float32
+    for r in range(n):
+        np.testing.assert_array_equal(unpad(y[r], want[r].shape[1]), want[r])
+    # Cotangents at the always-zero front positions have nowhere to go: they are dropped.
+    visible = [cotangent[r][:, static_len - want[r].shape[1] :] for r in range(n)]
+    want_grad = expected.halo_backward(visible, n, L, halo_size, left_padding, np.float32)
+    np.testing.assert_array_equal(grad, want_grad)
+
+
+@pytest.mark.parametrize("n", WORLDS)
+@pytest.mark.parametrize("batch,trailing", LAYOUTS)
+def test_gather_sequence_forward_and_vjp(n, batch, trailing):
+    x = expected.stamped((batch, n * L, *trailing), np.float32)
+    cotangent = expected.small_ints(np.random.default_rng(n), (n, batch, n * L, *trailing), np.float32)
+
+    y, grad = jax_harness.run("gather_sequence", x, n, cotangent)
+
+    assert y.shape == (n, batch, n * L, *trailing)
+    for r in range(n):
+        np.testing.assert_array_equal(y[r], x)
+    np.testing.assert_array_equal(grad, expected.sequence_backward(list(cotangent)))
+
+
+@pytest.mark.parametrize("n", WORLDS)
+@pytest.mark.parametrize("dtype", [np.bool_, np.int32])
+def test_gather_metadata_bool_and_int(n, dtype):
+    x = (expected.stamped((2, n * L), np.int32) % 3 == 0).astype(dtype)
+    y, _ = jax_harness.run("gather_metadata", x, n)
+    assert y.dtype == dtype
+    for r in range(n):
+        np.testing.assert_array_equal(y[r], x)
+
+
+def test_gather_metadata_has_no_gradient():
+    n = 4
+    x = expected.stamped((1, n * L, 2), np.float32)
+    cotangent = np.ones((n, 1, n * L, 2), np.float32)
+    _, grad = jax_harness.run("gather_metadata", x, n, cotangent)
+    assert not grad.any()
+
+
+def test_jax_grad_of_a_loss_through_halo_and_sequence():
+    """jax.grad (not only jax.vjp) works, under jit, on an axis with another name."""
+    n = 4
+    mesh = jax.make_mesh((n,), ("ring",), devices=jax.devices()[:n])
+    spec = jax.sharding.PartitionSpec(None, "ring")
+
+    def loss(x):
+        def per_device(x):
+            halo = jax_reference.gather_halo(x, "ring", halo_size=4, left_padding=1)
+            full = jax_reference.gather_sequence(x, "ring")
+            return jax.lax.psum(halo.sum() + 0.5 * full.sum(), "ring")
+
+        return jax.shard_map(per_device, mesh=mesh, in_specs=spec, out_specs=jax.sharding.PartitionSpec())(x)
+
+    x = expected.stamped((1, n * L), np.float32)
+    with jax.set_mesh(mesh):
+        grad = np.asarray(jax.jit(jax.grad(loss))(jax.device_put(x, jax.NamedSharding(mesh, spec))))
+    # Each token counts once locally, once per later halo that holds it, and 0.5 per device's gather.
+    ones = [np.ones((1, 1 + expected.halo_len(r, L, 4) + L), np.float32) for r in range(n)]
+    want = expected.halo_backward(ones, n, L, 4, 1, np.float32) + 0.5 * n
+    np.testing.assert_array_equal(grad, want)
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda x: jax_reference.gather_halo(x, "cp", -1), "`halo_size` must be a non-negative int, got -1"),
+        (lambda x: jax_reference.gather_halo(x, "cp", 2.0), "`halo_size` must be a non-negative int, got 2.0"),
+        (lambda x: jax_reference.gather_halo(x, "cp", 2, -3), "`left_padding` must be a non-negative int, got -3"),
+        (lambda x: jax_reference.gather_halo(x[0], "cp", 2), r"`x` must be \[batch, local_sequence, ...\]"),
+        (lambda x: jax_reference.gather_sequence(x[0], "cp"), r"ndim >= 2\), got shape \(3,\)"),
+        (lambda x: jax_reference.gather_metadata(x[0], "cp"), r"ndim >= 2\), got shape \(3,\)"),
+    ],
+)
+def test_bad_arguments_raise_value_error(call, match):
+    x = jnp.zeros((1, 3))
+    with pytest.raises(ValueError, match=match):
+        call(x)
