@@ -25,7 +25,8 @@ def main(argv=None):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
     import numpy as np
 
     import jax_reference
@@ -42,8 +43,10 @@ def main(argv=None):
         fn = jax.shard_map(per_device, in_specs=P(None, "cp"), out_specs=(P("cp"), P("cp")))
         halo, full = map(np.asarray, fn(jax.device_put(tokens, NamedSharding(mesh, P(None, "cp")))))
 
-    print(f"JAX reference on {n} simulated devices: L={L}, halo_size={args.halo_size}, "
-          f"left_padding={args.left_padding} (numbers are global token positions, . is a zero)")
+    print(
+        f"JAX reference on {n} simulated devices: L={L}, halo_size={args.halo_size}, "
+        f"left_padding={args.left_padding} (numbers are global token positions, . is a zero)"
+    )
     cell = len(str(n * L - 1))
     width = max(len(_fmt(halo[0, 0], cell)), len("gather_halo"))
     print(f"{'device':>6}  {'owns':<12}  {'gather_halo':<{width}}  gather_sequence")

@@ -9,3 +9,15 @@ os.environ["XLA_FLAGS"] = (
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
+
+import pytest  # noqa: E402
+
+from parity_tests.workers import WorkerPool  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def pool():
+    """The gloo worker pool, started on first use and shared by every test of the session."""
+    workers = WorkerPool()
+    yield workers
+    workers.close()

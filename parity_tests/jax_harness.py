@@ -7,18 +7,19 @@ One jitted program per (function, n, static arguments); jit reuses it for every 
 import functools
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 
 import jax_reference
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _mesh(n):
     return jax.make_mesh((n,), ("cp",), devices=jax.devices()[:n])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _program(name, n, with_grad, kwargs):
     fn = functools.partial(getattr(jax_reference, name), **dict(kwargs))
     per_device = jax.shard_map(

@@ -43,9 +43,7 @@ def test_gather_halo_forward_and_vjp(n, halo_size, left_padding, batch, trailing
     rng = np.random.default_rng(n * 1000 + halo_size)
     cotangent = expected.small_ints(rng, (n, batch, static_len, *trailing), np.float32)
 
-    y, grad = jax_harness.run(
-        "gather_halo", x, n, cotangent, halo_size=halo_size, left_padding=left_padding
-    )
+    y, grad = jax_harness.run("gather_halo", x, n, cotangent, halo_size=halo_size, left_padding=left_padding)
 
     want = expected.halo_forward(x, n, halo_size, left_padding)
     assert y.shape == (n, batch, static_len, *trailing) and y.dtype == np.float32
@@ -116,8 +114,14 @@ def test_jax_grad_of_a_loss_through_halo_and_sequence():
     "call,match",
     [
         (lambda x: jax_reference.gather_halo(x, "cp", -1), "`halo_size` must be a non-negative int, got -1"),
-        (lambda x: jax_reference.gather_halo(x, "cp", 2.0), "`halo_size` must be a non-negative int, got 2.0"),
-        (lambda x: jax_reference.gather_halo(x, "cp", 2, -3), "`left_padding` must be a non-negative int, got -3"),
+        (
+            lambda x: jax_reference.gather_halo(x, "cp", 2.0),
+            "`halo_size` must be a non-negative int, got 2.0",
+        ),
+        (
+            lambda x: jax_reference.gather_halo(x, "cp", 2, -3),
+            "`left_padding` must be a non-negative int, got -3",
+        ),
         (lambda x: jax_reference.gather_halo(x[0], "cp", 2), r"`x` must be \[batch, local_sequence, ...\]"),
         (lambda x: jax_reference.gather_sequence(x[0], "cp"), r"ndim >= 2\), got shape \(3,\)"),
         (lambda x: jax_reference.gather_metadata(x[0], "cp"), r"ndim >= 2\), got shape \(3,\)"),

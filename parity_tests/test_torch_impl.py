@@ -1,0 +1,244 @@
+"""torch_impl on gloo ranks against the brute-force statements in `expected`, exactly.
+
+Global sequences of n * 3 tokens: rank r of a CP group holds tokens [3r, 3r + 3). Data is
+integer-valued (token-stamped inputs, small-integer cotangents), so every output and gradient is
+exact in every float dtype and a token or gradient sent to the wrong place cannot pass. Every rank's
+results are checked, for every group of a layout (groups whose ranks are not the global ranks too).
+"""
+
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from parity_tests import expected, torch_cases
+from parity_tests.workers import layout_ranks
+import torch_impl
+
+L = 3
+FLOATS = ["float32", "float64", "bfloat16", "float16"]
+LAYOUTS = [("block", 1), ("block", 2), ("block", 3), ("block", 4), ("strided4", 2)]
+SHAPES = [(1, ()), (2, (2,))]  # (batch, trailing dims)
+
+
+def group_size(layout):
+    return len(layout_ranks(layout)[0])
+
+
+def as_numpy(t):
+    return t.detach().to(torch.float64).numpy() if t.is_floating_point() else t.numpy()
+
+
+# --- the plan ---------------------------------------------------------------------------------
+
+
+def brute_force_routes(n, local_len, halo_size):
+    """{(dst, halo position): (src, src local token)}, one token at a time, from the definition."""
+    routes = {}
+    for dst in range(n):
+        h = min(dst * local_len, halo_size)
+        for i, token in enumerate(range(dst * local_len - h, dst * local_len)):
+            routes[(dst, i)] = (token // local_len, token % local_len)
+    return routes
+
+
+@pytest.mark.parametrize("n", range(1, 7))
+@pytest.mark.parametrize("local_len", range(0, 5))
+def test_halo_plan_matches_brute_force(n, local_len):
+    for halo_size in range(n * local_len + 4):
+        plan = torch_impl.halo_plan(n, local_len, halo_size)
+        routes = {}
+        for t in plan:
+            assert t.length > 0 and t.src < t.dst, t
+            for k in range(t.length):
+                key = (t.dst, t.dst_start + k)
+                assert key not in routes, f"halo position {key} filled twice"
+                routes[key] = (t.src, local_len - t.length + k)  # a tail of src's shard
+        assert routes == brute_force_routes(n, local_len, halo_size)
+        assert sum(t.length for t in plan) == sum(min(r * local_len, halo_size) for r in range(n))
+        for dst in range(n):  # at most ceil(halo_size / L) peers, the nearest ones
+            peers = sorted(t.src for t in plan if t.dst == dst)
+            assert len(peers) <= (math.ceil(halo_size / local_len) if local_len else 0)
+            assert peers == list(range(dst - len(peers), dst))
+
+
+def test_halo_plan_example():
+    """n=3, L=2, halo_size=3: rank 1 gets tokens 0-1 from rank 0; rank 2 gets 1 from 0 and 2-3 from 1."""
+    assert torch_impl.halo_plan(3, 2, 3) == (
+        torch_impl.Transfer(src=0, dst=1, dst_start=0, length=2),
+        torch_impl.Transfer(src=1, dst=2, dst_start=1, length=2),
+        torch_impl.Transfer(src=0, dst=2, dst_start=0, length=1),
+    )
+
+
+# --- exact multi-rank forward and backward ----------------------------------------------------
+
+
+def make_config(n, batch, trailing, out_lens, dtype, seed, **extra):
+    """A global stamped input and per-rank cotangents of lengths out_lens[r]."""
+    rng = np.random.default_rng(seed)
+    return {
+        "x": expected.stamped((batch, n * L, *trailing), np.float64),
+        "cotangents": [
+            expected.small_ints(rng, (batch, out_len, *trailing), np.float64) for out_len in out_lens
+        ],
+        "dtype": dtype,
+        **extra,
+    }
+
+
+def check_rank_results(results, want_y, want_grad, dtype):
+    """results[g][r]: every rank of every group has the wanted output and gradient, dtype and no mutation."""
+    for group_results in results:
+        for r, res in enumerate(group_results):
+            assert res["y"].dtype == torch_cases.DTYPES[dtype] and res["grad"].dtype == res["y"].dtype
+            np.testing.assert_array_equal(as_numpy(res["y"]), want_y[r], err_msg=f"output, rank {r}")
+            np.testing.assert_array_equal(
+                as_numpy(res["grad"]), want_grad[:, r * L : (r + 1) * L], err_msg=f"grad, rank {r}"
+            )
+            assert not res["mutated"] and not res["cotangent_mutated"]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_gather_halo_exact(pool, layout, dtype):
+    n = group_size(layout)
+    configs = []
+    for halo_size in range(n * L + 3):
+        for left_padding in (0, 2):
+            for batch, trailing in SHAPES:
+                configs.append(
+                    make_config(
+                        n,
+                        batch,
+                        trailing,
+                        [left_padding + min(r * L, halo_size) + L for r in range(n)],
+                        dtype,
+                        seed=len(configs),
+                        halo_size=halo_size,
+                        left_padding=left_padding,
+                        noncontiguous=len(configs) % 3 == 0,
+                    )
+                )
+    results = pool.run(layout, torch_cases.halo, configs)
+    for i, c in enumerate(configs):
+        want_y = expected.halo_forward(c["x"], n, c["halo_size"], c["left_padding"])
+        want_grad = expected.halo_backward(
+            c["cotangents"], n, L, c["halo_size"], c["left_padding"], np.float64
+        )
+        check_rank_results([[res[i] for res in g] for g in results], want_y, want_grad, dtype)
+        if n == 1 and c["left_padding"] == 0:
+            assert all(g[0][i]["y_is_x"] for g in results)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_gather_sequence_exact(pool, layout, dtype):
+    n = group_size(layout)
+    configs = [
+        make_config(n, batch, trailing, [n * L] * n, dtype, seed=i, noncontiguous=nc)
+        for i, ((batch, trailing), nc) in enumerate([(s, nc) for s in SHAPES for nc in (False, True)])
+    ]
+    results = pool.run(layout, torch_cases.sequence, configs)
+    for i, c in enumerate(configs):
+        want_grad = expected.sequence_backward(c["cotangents"])
+        check_rank_results([[res[i] for res in g] for g in results], [c["x"]] * n, want_grad, dtype)
+        assert all(res[i]["y_is_x"] == (n == 1) for g in results for res in g)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_gather_metadata_exact(pool, layout):
+    n = group_size(layout)
+    base = expected.stamped((2, n * L, 2), np.int64)
+    configs = [
+        {"x": (base % 3 == 0), "dtype": "bool"},
+        {"x": base, "dtype": "int64"},
+        {"x": base - 70, "dtype": "int32", "noncontiguous": True},
+        {"x": base, "dtype": "uint8"},
+        {"x": base[:1, :, 0].astype(np.float64) / 4, "dtype": "float32"},
+    ]
+    results = pool.run(layout, torch_cases.metadata, configs)
+    for i, c in enumerate(configs):
+        for g in results:
+            for res in g:
+                y = res[i]["y"]
+                assert y.dtype == torch_cases.DTYPES[c["dtype"]] and not res[i]["requires_grad"]
+                np.testing.assert_array_equal(as_numpy(y), c["x"].astype(as_numpy(y).dtype))
+                assert res[i]["y_is_x"] == (n == 1)
+
+
+# --- without CP, and bad input ----------------------------------------------------------------
+
+
+def test_without_cp_the_input_itself_comes_back():
+    x = torch.randn(2, 4, 3, requires_grad=True)
+    assert torch_impl.gather_sequence(x, None) is x
+    assert torch_impl.gather_halo(x, None, 5) is x
+    m = torch.arange(8).reshape(2, 4)
+    assert torch_impl.gather_metadata(m, None) is m
+
+
+def test_without_cp_left_padding_prepends_zeros_with_gradient():
+    x = torch.arange(1.0, 9.0, dtype=torch.bfloat16).reshape(1, 4, 2).requires_grad_()
+    y = torch_impl.gather_halo(x, None, 3, left_padding=2)
+    assert y.shape == (1, 6, 2) and y.dtype == torch.bfloat16
+    assert torch.equal(y[:, :2], torch.zeros(1, 2, 2, dtype=torch.bfloat16)) and torch.equal(y[:, 2:], x)
+    y.backward(torch.arange(12.0, dtype=torch.bfloat16).reshape(1, 6, 2))
+    assert torch.equal(x.grad, torch.arange(4.0, 12.0, dtype=torch.bfloat16).reshape(1, 4, 2))
+
+
+BAD_CALLS = [
+    (
+        ("gather_sequence", (4,), "float32", False, {}),
+        r"`x` must be \[batch, local_sequence, ...\] \(ndim >= 2\), got shape \(4,\)",
+    ),
+    (("gather_halo", (4,), "float32", False, {"halo_size": 1}), r"ndim >= 2\), got shape \(4,\)"),
+    (
+        ("gather_halo", (1, 4), "float32", False, {"halo_size": -1}),
+        "`halo_size` must be a non-negative int, got -1",
+    ),
+    (
+        ("gather_halo", (1, 4), "float32", False, {"halo_size": 2.0}),
+        "`halo_size` must be a non-negative int, got 2.0",
+    ),
+    (
+        ("gather_halo", (1, 4), "float32", False, {"halo_size": True}),
+        "`halo_size` must be a non-negative int, got True",
+    ),
+    (
+        ("gather_halo", (1, 4), "float32", False, {"halo_size": 1, "left_padding": -2}),
+        "`left_padding` must be a non-negative int, got -2",
+    ),
+    (
+        ("gather_halo", (1, 4), "float32", False, {"halo_size": 1, "left_padding": "1"}),
+        "`left_padding` must be a non-negative int, got '1'",
+    ),
+    (("gather_metadata", (4,), "int64", False, {}), r"ndim >= 2\), got shape \(4,\)"),
+    (("gather_metadata", (1, 4), "float32", True, {}), "`x` must not require grad in gather_metadata"),
+]
+
+
+@pytest.mark.parametrize("call,match", BAD_CALLS)
+def test_bad_arguments_raise_value_error_without_cp(call, match):
+    name, shape, dtype, requires_grad, kwargs = call
+    x = torch.zeros(shape, dtype=torch_cases.DTYPES[dtype]).requires_grad_(requires_grad)
+    with pytest.raises(ValueError, match=match):
+        getattr(torch_impl, name)(x, None, **kwargs)
+
+
+def test_bad_group_raises_value_error():
+    with pytest.raises(ValueError, match="`group` must be a torch.distributed.ProcessGroup or None, got int"):
+        torch_impl.gather_sequence(torch.zeros(1, 2), 0)
+
+
+@pytest.mark.parametrize("layout", [("block", 4), ("strided4", 2)], ids=str)
+def test_bad_arguments_raise_on_every_rank_before_communicating(pool, layout):
+    n = group_size(layout)
+    results = pool.run(layout, torch_cases.bad_arguments, [call for call, _ in BAD_CALLS])
+    for g in results:
+        for messages, gathered in g:
+            for message, (_, match) in zip(messages, BAD_CALLS, strict=True):
+                assert message is not None and re.search(match, message), (message, match)
+            assert gathered == [float(r + 1) for r in range(n) for _ in range(2)]

@@ -1,0 +1,88 @@
+"""What each gloo rank runs: torch_impl on its shard of a host-made global input.
+
+Each function takes the rank's CP group and a list of configurations (one round trip for many of
+them) and returns, per configuration, the rank's output, input gradient and checks. Inputs arrive
+as numpy float64/int/bool arrays and a dtype name: integer-valued data converts exactly.
+"""
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import torch_impl
+
+DTYPES = {
+    name: getattr(torch, name)
+    for name in ("float32", "float64", "bfloat16", "float16", "bool", "int32", "int64", "uint8")
+}
+
+
+def local_shard(global_x, group, dtype, noncontiguous=False):
+    """Rank r's tokens [r*L, (r+1)*L) of global_x as a torch tensor; optionally a strided view."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    L = global_x.shape[1] // n
+    x = torch.from_numpy(np.ascontiguousarray(global_x[:, r * L : (r + 1) * L])).to(DTYPES[dtype])
+    if noncontiguous:  # every other token of a twice-as-long buffer
+        buf = torch.zeros((x.shape[0], 2 * L, *x.shape[2:]), dtype=x.dtype)
+        buf[:, ::2] = x
+        x = buf[:, ::2]
+        assert not x.is_contiguous()
+    return x
+
+
+def _forward_backward(fn, group, config):
+    x = local_shard(config["x"], group, config["dtype"], config.get("noncontiguous", False))
+    x.requires_grad_(True)
+    before = x.detach().clone()
+    y = fn(x)
+    cotangent = torch.from_numpy(config["cotangents"][dist.get_rank(group)]).to(x.dtype)
+    y.backward(cotangent)
+    return {
+        "y": y.detach().clone(),
+        "grad": x.grad,
+        "y_is_x": y is x,
+        "mutated": not torch.equal(x.detach(), before),
+        "cotangent_mutated": not torch.equal(
+            cotangent, torch.from_numpy(config["cotangents"][dist.get_rank(group)]).to(x.dtype)
+        ),
+    }
+
+
+def halo(group, configs):
+    return [
+        _forward_backward(
+            lambda x, c=c: torch_impl.gather_halo(x, group, c["halo_size"], c["left_padding"]), group, c
+        )
+        for c in configs
+    ]
+
+
+def sequence(group, configs):
+    return [_forward_backward(lambda x: torch_impl.gather_sequence(x, group), group, c) for c in configs]
+
+
+def metadata(group, configs):
+    out = []
+    for c in configs:
+        x = local_shard(c["x"], group, c["dtype"], c.get("noncontiguous", False))
+        y = torch_impl.gather_metadata(x, group)
+        out.append({"y": y.clone(), "y_is_x": y is x, "requires_grad": y.requires_grad})
+    return out
+
+
+def bad_arguments(group, calls):
+    """Each (function name, x shape, dtype, requires_grad, kwargs) call must raise ValueError on every
+    rank, before any communication; returns the messages (None where nothing was raised).
+
+    A final good gather proves that no half-posted send or receive was left behind.
+    """
+    messages = []
+    for name, shape, dtype, requires_grad, kwargs in calls:
+        x = torch.zeros(shape, dtype=DTYPES[dtype]).requires_grad_(requires_grad)
+        try:
+            getattr(torch_impl, name)(x, group, **kwargs)
+            messages.append(None)
+        except ValueError as e:
+            messages.append(str(e))
+    y = torch_impl.gather_sequence(torch.full((1, 2, 3), dist.get_rank(group) + 1.0), group)
+    return messages, y[0, :, 0].tolist()

@@ -1,0 +1,150 @@
+"""A pool of gloo worker processes, started once and fed many cases (cf. PyTorch's MultiProcContinuousTest).
+
+The pool is one world of WORLD ranks; a case names a *layout*, a partition of some of those ranks
+into CP groups, and runs on every group of it at once, so each case also exercises groups whose
+ranks are not the global ones. Rendezvous is a FileStore on a temp file (no port). Every case has a
+timeout; a rank's exception comes back with its traceback; a failed or hung case kills the pool,
+which the next case starts afresh.
+"""
+
+from datetime import timedelta
+import importlib
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+
+WORLD = 8
+CASE_TIMEOUT_S = 60
+GLOO_TIMEOUT_S = 45  # a collective stuck on a dead peer errors out before the case times out
+STARTUP_TIMEOUT_S = 120  # spawning WORLD processes that import torch, on 2 cores
+FAILURE_GRACE_S = 5
+
+
+def layout_ranks(layout):
+    """The CP groups (lists of global ranks) of a layout, e.g. ("block", 3) -> [[0, 1, 2], [3, 4, 5]].
+
+    ("block", n): consecutive ranks; ("strided", n): ranks r, r + k, r + 2k, ... with k = WORLD // n;
+    ("strided4", 2): the groups {0, 2} and {1, 3} of a world of 4 (ranks 4..7 idle).
+    """
+    kind, n = layout
+    if kind == "block":
+        return [list(range(g * n, (g + 1) * n)) for g in range(WORLD // n)]
+    if kind == "strided":
+        k = WORLD // n
+        return [list(range(first, WORLD, k)) for first in range(k)]
+    if kind == "strided4":
+        return [[0, 2], [1, 3]]
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+LAYOUTS = [("block", n) for n in (1, 2, 3, 4, 8)] + [("strided", 2), ("strided", 4), ("strided4", 2)]
+
+
+def _worker(rank, store_path, tasks, results):
+    import torch.distributed as dist
+
+    store = dist.FileStore(store_path, WORLD)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=GLOO_TIMEOUT_S)
+    )
+    groups = {}
+    for layout in LAYOUTS:  # every rank creates every group, in the same order
+        for index, ranks in enumerate(layout_ranks(layout)):
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                groups[layout] = (index, group)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        case_id, layout, module, name, args = task
+        try:
+            member = groups.get(layout)
+            if member is None:
+                payload = None
+            else:
+                fn = getattr(importlib.import_module(module), name)
+                payload = (member[0], dist.get_rank(member[1]), fn(member[1], *args))
+            results.put((case_id, rank, True, pickle.dumps(payload)))
+        except BaseException:
+            results.put((case_id, rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class CaseFailed(AssertionError):
+    pass
+
+
+class WorkerPool:
+    def __init__(self):
+        self._procs = None
+        self._case_id = 0
+
+    def _start(self):
+        ctx = mp.get_context("spawn")
+        self._dir = tempfile.mkdtemp(prefix="cp_pool_")
+        self._tasks = [ctx.Queue() for _ in range(WORLD)]
+        self._results = ctx.Queue()
+        store_path = os.path.join(self._dir, "store")
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, store_path, self._tasks[r], self._results), daemon=True)
+            for r in range(WORLD)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def close(self, kill=False):
+        if self._procs is None:
+            return
+        if not kill:
+            for q in self._tasks:
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=0 if kill else 10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        shutil.rmtree(self._dir, ignore_errors=True)
+        self._procs = None
+
+    def run(self, layout, fn, *args, timeout=CASE_TIMEOUT_S):
+        """Run fn(group, *args) on every rank of every group of `layout`.
+
+        Returns results[g][group_rank], g indexing layout_ranks(layout). Raises CaseFailed with the
+        failing ranks' tracebacks, or when some rank does not answer within `timeout` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        if self._procs is None:
+            self._start()
+            deadline += STARTUP_TIMEOUT_S
+        self._case_id += 1
+        for q in self._tasks:
+            q.put((self._case_id, layout, fn.__module__, fn.__name__, args))
+        answers, failures = {}, {}
+        while len(answers) + len(failures) < WORLD:
+            try:
+                case_id, rank, ok, payload = self._results.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            assert case_id == self._case_id, (case_id, self._case_id)
+            (answers if ok else failures)[rank] = payload
+            if failures:  # its peers may now wait forever: give them a moment, not the whole timeout
+                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+        missing = sorted(set(range(WORLD)) - set(answers) - set(failures))
+        if failures or missing:
+            self.close(kill=True)
+            details = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+            hung = f"ranks {missing} did not answer within the case's time limit (hung?)" if missing else ""
+            raise CaseFailed(f"{fn.__name__}{args!r:.200} on {layout}: {hung}{details}")
+        results = [[None] * len(ranks) for ranks in layout_ranks(layout)]
+        for payload in answers.values():
+            member = pickle.loads(payload)
+            if member is not None:
+                g, group_rank, value = member
+                results[g][group_rank] = value
+        return results
