@@ -1,7 +1,9 @@
-"""Run a `jax_reference` function under `jax.shard_map` on n simulated CPU devices.
+"""Run `jax_reference` functions under `jax.shard_map` on n simulated CPU devices.
 
 Outputs come back stacked per device, ``[n, B, T, ...]``; gradients as the global ``[B, n*L, ...]``.
-One jitted program per (function, n, static arguments); jit reuses it for every shape.
+`run_many` evaluates one function for several static arguments in one jitted program (one compile
+for the lot), each on its own copy of the input so that each gets its own gradient; jit reuses that
+program for any input of the same shape and dtype.
 """
 
 import functools
@@ -20,29 +22,44 @@ def _mesh(n):
 
 
 @functools.cache
-def _program(name, n, with_grad, kwargs):
-    fn = functools.partial(getattr(jax_reference, name), **dict(kwargs))
+def _program(name, n, with_grad, static_args):
+    fns = [functools.partial(getattr(jax_reference, name), **dict(kw)) for kw in static_args]
     per_device = jax.shard_map(
-        lambda x: fn(x, "cp")[None], mesh=_mesh(n), in_specs=P(None, "cp"), out_specs=P("cp")
+        lambda *xs: tuple(fn(x, "cp")[None] for fn, x in zip(fns, xs, strict=True)),
+        mesh=_mesh(n),
+        in_specs=tuple(P(None, "cp") for _ in fns),
+        out_specs=tuple(P("cp") for _ in fns),
     )
     if not with_grad:
-        return jax.jit(per_device)
+        return jax.jit(lambda x: per_device(*[x] * len(fns)))
 
-    def forward_and_vjp(x, cotangent):
-        y, vjp = jax.vjp(per_device, x)
-        return y, vjp(cotangent)[0]
+    def forward_and_vjp(x, cotangents):
+        ys, vjp = jax.vjp(per_device, *[x] * len(fns))
+        return ys, vjp(tuple(cotangents))
 
     return jax.jit(forward_and_vjp)
 
 
-def run(name, x, n, cotangent=None, **kwargs):
-    """x: global [B, n*L, ...]; cotangent: [n, B, T, ...] or None. Returns (outputs, grad or None)."""
+def run_many(name, x, n, static_args, cotangents=None):
+    """x: global [B, n*L, ...]; static_args: one kwargs dict per evaluation; cotangents: one
+    [n, B, T_i, ...] per evaluation, or None for forward only.
+
+    Returns (outputs, grads): outputs[i] is [n, B, T_i, ...]; grads[i] is the input's gradient
+    [B, n*L, ...] from evaluation i (None without cotangents).
+    """
     mesh = _mesh(n)
+    key = tuple(tuple(sorted(kw.items())) for kw in static_args)
     with jax.set_mesh(mesh):
         xs = jax.device_put(x, NamedSharding(mesh, P(None, "cp")))
-        program = _program(name, n, cotangent is not None, tuple(sorted(kwargs.items())))
-        if cotangent is None:
-            return np.asarray(program(xs)), None
-        ct = jax.device_put(cotangent, NamedSharding(mesh, P("cp")))
-        y, grad = program(xs, ct)
-        return np.asarray(y), np.asarray(grad)
+        program = _program(name, n, cotangents is not None, key)
+        if cotangents is None:
+            return [np.asarray(y) for y in program(xs)], None
+        cts = [jax.device_put(ct, NamedSharding(mesh, P("cp"))) for ct in cotangents]
+        ys, grads = program(xs, cts)
+        return [np.asarray(y) for y in ys], [np.asarray(g) for g in grads]
+
+
+def run(name, x, n, cotangent=None, **kwargs):
+    """One evaluation: (outputs [n, B, T, ...], grad [B, n*L, ...] or None)."""
+    ys, grads = run_many(name, x, n, [kwargs], None if cotangent is None else [cotangent])
+    return ys[0], None if grads is None else grads[0]

@@ -5,6 +5,8 @@ them) and returns, per configuration, the rank's output, input gradient and chec
 as numpy float64/int/bool arrays and a dtype name: integer-valued data converts exactly.
 """
 
+import importlib
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -25,8 +27,7 @@ def local_shard(global_x, group, dtype, noncontiguous=False):
     if noncontiguous:  # every other token of a twice-as-long buffer
         buf = torch.zeros((x.shape[0], 2 * L, *x.shape[2:]), dtype=x.dtype)
         buf[:, ::2] = x
-        x = buf[:, ::2]
-        assert not x.is_contiguous()
+        x = buf[:, ::2]  # not contiguous unless it has a single token per batch row
     return x
 
 
@@ -48,17 +49,23 @@ def _forward_backward(fn, group, config):
     }
 
 
-def halo(group, configs):
+def _transport(name):
+    """ "module.function", e.g. "torch_impl.gather_halo" or one of parity_tests.mutants."""
+    module, function = name.rsplit(".", 1)
+    return getattr(importlib.import_module(module), function)
+
+
+def halo(group, configs, transport="torch_impl.gather_halo"):
+    gather_halo = _transport(transport)
     return [
-        _forward_backward(
-            lambda x, c=c: torch_impl.gather_halo(x, group, c["halo_size"], c["left_padding"]), group, c
-        )
+        _forward_backward(lambda x, c=c: gather_halo(x, group, c["halo_size"], c["left_padding"]), group, c)
         for c in configs
     ]
 
 
-def sequence(group, configs):
-    return [_forward_backward(lambda x: torch_impl.gather_sequence(x, group), group, c) for c in configs]
+def sequence(group, configs, transport="torch_impl.gather_sequence"):
+    gather_sequence = _transport(transport)
+    return [_forward_backward(lambda x: gather_sequence(x, group), group, c) for c in configs]
 
 
 def metadata(group, configs):

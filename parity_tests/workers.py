@@ -76,7 +76,7 @@ def _worker(rank, store_path, tasks, results):
     dist.destroy_process_group()
 
 
-class CaseFailed(AssertionError):
+class CaseFailed(RuntimeError):
     pass
 
 

@@ -1,0 +1,260 @@
+"""torch_impl against jax_reference, forward and backward, on simulated CPU clusters.
+
+One global input is made on the host and split into n shards (rank r: tokens [r*L, (r+1)*L)); the
+torch side runs on gloo ranks of a CP group (every group of a layout of the 8-rank pool: consecutive
+ranks, or strided ones), the JAX side under `jax.shard_map` on n host devices. Rank r's torch
+`gather_halo` output must equal the last positions of device r's static-shape JAX output, whose
+positions before them must be zero.
+
+Tolerances. Forward outputs are pure data movement: equal to the bit in every dtype, for every data.
+Gradients of integer-valued data are exact sums: equal to the bit. Gradients of random normal data
+are sums of k <= n cotangent values (the local one plus one per later rank whose halo or gather held
+the token), added in an order that differs between torch (plan order; gloo's reduce-scatter) and
+JAX (its transpose). Each order's result is within (k-1) * u * sum|a_i| of the exact sum, with u the
+unit roundoff of the dtype (2^-24 float32, 2^-53 float64, 2^-8 bfloat16, 2^-11 float16), so two
+orders differ by at most 2 * (n-1) * u * sum|a_i|: that elementwise bound is what is asserted.
+"""
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from parity_tests import expected, jax_harness, torch_cases
+from parity_tests.workers import layout_ranks
+
+DTYPES = ["float32", "float64", "bfloat16", "float16"]
+UNIT_ROUNDOFF = {"float32": 2.0**-24, "float64": 2.0**-53, "bfloat16": 2.0**-8, "float16": 2.0**-11}
+WORLDS = [1, 2, 3, 4, 8]
+LOCAL_LENS = [1, 2, 5, 8]
+TRAILING = [(), (3,), (2, 3)]
+DATA = ["integer", "normal"]
+
+
+def round_to(a, dtype):
+    """float64 array holding exactly the values of `dtype` nearest to a (what both sides receive)."""
+    return torch.from_numpy(a).to(torch_cases.DTYPES[dtype]).double().numpy()
+
+
+def jax_array(a, dtype):
+    return np.asarray(a, dtype=jnp.dtype(dtype))
+
+
+def as_numpy(t):
+    return t.detach().to(torch.float64).numpy() if t.is_floating_point() else t.numpy()
+
+
+def make_data(kind, shape, dtype, rng, offset=1):
+    if kind == "integer":
+        return expected.stamped(shape, np.float64, offset)
+    return round_to(rng.standard_normal(shape), dtype)
+
+
+def make_cotangent(kind, shape, dtype, rng):
+    if kind == "integer":
+        return expected.small_ints(rng, shape, np.float64)
+    return round_to(rng.standard_normal(shape), dtype)
+
+
+def layout_for(n, variant):
+    """A CP layout of the 8-rank pool: consecutive ranks, or (variant odd) strided ones."""
+    if variant % 2 and n in (2, 4):
+        return ("strided", n)
+    return ("block", n)
+
+
+def check_gradient(torch_grad, jax_grad, abs_sum, n, dtype, kind, where):
+    assert str(torch_grad.dtype).removeprefix("torch.") == dtype and jax_grad.dtype == jnp.dtype(dtype)
+    got, want = as_numpy(torch_grad), jax_grad.astype(np.float64)
+    assert got.shape == want.shape, (where, got.shape, want.shape)
+    if kind == "integer":
+        np.testing.assert_array_equal(got, want, err_msg=where)
+        return
+    bound = 2 * (n - 1) * UNIT_ROUNDOFF[dtype] * abs_sum
+    excess = np.abs(got - want) - bound
+    assert (excess <= 0).all(), f"{where}: |torch - jax| exceeds 2(n-1)u*sum|a| by {excess.max()}"
+
+
+# --- gather_halo ------------------------------------------------------------------------------
+
+
+def halo_sizes(n, L):
+    return sorted({0, 1, L - 1, L, L + 1, 2 * L + 1, (n - 1) * L, n * L + 7})
+
+
+def check_halo(
+    pool, layout, L, batch, trailing, dtype, kind, combos, seed, transport="torch_impl.gather_halo"
+):
+    """Compare torch and JAX gather_halo for each (halo_size, left_padding) in combos; returns the count."""
+    n = len(layout_ranks(layout)[0])
+    rng = np.random.default_rng(seed)
+    x = make_data(kind, (batch, n * L, *trailing), dtype, rng)
+    static_lens = [lp + min(h, (n - 1) * L) + L for h, lp in combos]
+    cotangents = [make_cotangent(kind, (n, batch, T, *trailing), dtype, rng) for T in static_lens]
+
+    ys, grads = jax_harness.run_many(
+        "gather_halo",
+        jax_array(x, dtype),
+        n,
+        [{"halo_size": h, "left_padding": lp} for h, lp in combos],
+        [jax_array(ct, dtype) for ct in cotangents],
+    )
+    configs = []
+    for (h, lp), T, ct in zip(combos, static_lens, cotangents, strict=True):
+        lens = [lp + min(r * L, h) + L for r in range(n)]
+        configs.append(
+            {
+                "x": x,
+                "cotangents": [ct[r][:, T - lens[r] :] for r in range(n)],
+                "dtype": dtype,
+                "halo_size": h,
+                "left_padding": lp,
+                "noncontiguous": (h + lp) % 2 == 1,
+            }
+        )
+    results = pool.run(layout, torch_cases.halo, configs, transport)
+
+    for i, ((h, lp), c) in enumerate(zip(combos, configs, strict=True)):
+        abs_sum = expected.halo_backward([abs(ct) for ct in c["cotangents"]], n, L, h, lp, np.float64)
+        for g, group_results in enumerate(results):
+            for r, res in enumerate(group_results):
+                where = f"halo_size={h} left_padding={lp} group {g} rank {r}"
+                y, jax_y = res[i]["y"], ys[i][r]
+                assert y.dtype == torch_cases.DTYPES[dtype] and jax_y.dtype == jnp.dtype(dtype), where
+                assert y.shape == (batch, lp + min(r * L, h) + L, *trailing), where
+                front = jax_y.shape[1] - y.shape[1]
+                assert not jax_y[:, :front].astype(np.float64).any(), where
+                np.testing.assert_array_equal(as_numpy(y), jax_y[:, front:].astype(np.float64), err_msg=where)
+                jax_grad = grads[i][:, r * L : (r + 1) * L]
+                check_gradient(
+                    res[i]["grad"], jax_grad, abs_sum[:, r * L : (r + 1) * L], n, dtype, kind, where
+                )
+                assert not res[i]["mutated"] and not res[i]["cotangent_mutated"], where
+    return len(combos) * len(results)
+
+
+def halo_matrix():
+    """Every (n, L); all halo sizes and paddings of one (n, L) in one case. Batch, trailing dims, dtype
+    and layout rotate so that each n sees every dtype and each dtype every trailing shape."""
+    for i, n in enumerate(WORLDS):
+        for j, L in enumerate(LOCAL_LENS):
+            yield n, L, 1 + (i + j) % 2, TRAILING[(i + 2 * j) % 3], DTYPES[j], layout_for(n, j)
+
+
+@pytest.mark.parametrize("kind", DATA)
+@pytest.mark.parametrize("n,L,batch,trailing,dtype,layout", list(halo_matrix()), ids=str)
+def test_gather_halo_parity(pool, n, L, batch, trailing, dtype, layout, kind):
+    combos = [(h, lp) for h in halo_sizes(n, L) for lp in (0, 1, 3)]
+    check_halo(pool, layout, L, batch, trailing, dtype, kind, combos, seed=n * 100 + L)
+
+
+# --- gather_sequence and gather_metadata ------------------------------------------------------
+
+
+def check_sequence(
+    pool, layout, L, batch, trailing, dtype, kind, seed, transport="torch_impl.gather_sequence"
+):
+    n = len(layout_ranks(layout)[0])
+    rng = np.random.default_rng(seed)
+    x = make_data(kind, (batch, n * L, *trailing), dtype, rng)
+    ct = make_cotangent(kind, (n, batch, n * L, *trailing), dtype, rng)
+    y, grad = jax_harness.run("gather_sequence", jax_array(x, dtype), n, jax_array(ct, dtype))
+    config = {"x": x, "cotangents": list(ct), "dtype": dtype, "noncontiguous": seed % 2 == 1}
+    results = pool.run(layout, torch_cases.sequence, [config], transport)
+    abs_sum = expected.sequence_backward([abs(c) for c in ct])
+    for g, group_results in enumerate(results):
+        for r, (res,) in enumerate(group_results):
+            where = f"group {g} rank {r}"
+            assert res["y"].dtype == torch_cases.DTYPES[dtype] and y.dtype == jnp.dtype(dtype), where
+            np.testing.assert_array_equal(as_numpy(res["y"]), y[r].astype(np.float64), err_msg=where)
+            sl = slice(r * L, (r + 1) * L)
+            check_gradient(res["grad"], grad[:, sl], abs_sum[:, sl], n, dtype, kind, where)
+            assert not res["mutated"] and not res["cotangent_mutated"], where
+
+
+@pytest.mark.parametrize("kind", DATA)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", WORLDS)
+def test_gather_sequence_parity(pool, n, dtype, kind):
+    for j, L in enumerate(LOCAL_LENS):
+        trailing, batch = TRAILING[j % 3], 1 + j % 2
+        check_sequence(pool, layout_for(n, j), L, batch, trailing, dtype, kind, seed=n * 10 + j)
+
+
+@pytest.mark.parametrize("n", WORLDS)
+def test_gather_metadata_parity(pool, n):
+    """Positions (int64), a bool mask and a float projection: equal on both sides, no gradient."""
+    L = 5
+    positions = np.broadcast_to(np.arange(n * L), (2, n * L)).astype(np.int64)
+    mask = expected.stamped((2, n * L), np.int64) % 4 != 0
+    projection = round_to(np.random.default_rng(n).standard_normal((2, n * L, 2, 3)), "float32")
+    inputs = [(positions, "int64"), (mask, "bool"), (projection, "float32")]
+    results = pool.run(
+        layout_for(n, n),
+        torch_cases.metadata,
+        [{"x": a, "dtype": d, "noncontiguous": d == "bool"} for a, d in inputs],
+    )
+    for i, (a, dtype) in enumerate(inputs):
+        ct = np.ones((n, *a.shape), np.float32) if dtype == "float32" else None
+        y, grad = jax_harness.run("gather_metadata", jax_array(a, dtype), n, ct)
+        assert grad is None or not grad.any()
+        for group_results in results:
+            for r, res in enumerate(group_results):
+                got = res[i]["y"]
+                assert not res[i]["requires_grad"] and str(got.dtype).removeprefix("torch.") == dtype
+                np.testing.assert_array_equal(as_numpy(got), y[r].astype(as_numpy(got).dtype))
+
+
+# --- random configurations --------------------------------------------------------------------
+
+
+@settings(
+    max_examples=30,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    n=st.sampled_from(WORLDS),
+    batch=st.integers(1, 2),
+    L=st.integers(1, 6),
+    trailing=st.sampled_from([(), (1,), (3,), (2, 3)]),
+    dtype=st.sampled_from(DTYPES),
+    kind=st.sampled_from(DATA),
+    halo_fraction=st.floats(0, 1.2),
+    left_padding=st.integers(0, 4),
+    variant=st.integers(0, 1),
+)
+def test_random_configurations(
+    pool, n, batch, L, trailing, dtype, kind, halo_fraction, left_padding, variant
+):
+    halo_size = int(halo_fraction * n * L)
+    layout = layout_for(n, variant)
+    check_halo(pool, layout, L, batch, trailing, dtype, kind, [(halo_size, left_padding)], seed=halo_size)
+    check_sequence(pool, layout, L, batch, trailing, dtype, kind, seed=left_padding)
+
+
+# --- the suite can fail -----------------------------------------------------------------------
+
+MUTANTS = [
+    ("halo", "parity_tests.mutants.halo_off_by_one", "integer"),
+    ("halo", "parity_tests.mutants.halo_off_by_one", "normal"),
+    ("halo", "parity_tests.mutants.halo_grad_to_wrong_owner", "integer"),
+    ("halo", "parity_tests.mutants.halo_grad_to_wrong_owner", "normal"),
+    ("sequence", "parity_tests.mutants.sequence_wrong_rank_order", "integer"),
+    ("sequence", "parity_tests.mutants.sequence_wrong_rank_order", "normal"),
+]
+
+
+@pytest.mark.parametrize("function,transport,kind", MUTANTS)
+def test_self_check_catches_wrong_transports(pool, function, transport, kind):
+    """Each deliberately wrong transport fails the comparison that the parity tests use."""
+    layout, L = ("block", 4), 3
+    with pytest.raises(AssertionError):
+        if function == "halo":
+            check_halo(pool, layout, L, 1, (2,), "float32", kind, [(4, 1)], seed=0, transport=transport)
+        else:
+            check_sequence(pool, layout, L, 1, (2,), "float32", kind, seed=0, transport=transport)
