@@ -93,3 +93,13 @@ def bad_arguments(group, calls):
             messages.append(str(e))
     y = torch_impl.gather_sequence(torch.full((1, 2, 3), dist.get_rank(group) + 1.0), group)
     return messages, y[0, :, 0].tolist()
+
+
+def hybrid_block(group, config, batch, seq_len, pad):
+    """The demo's block on this rank, rebuilt from seeds: (output, input grad, summed param grads)."""
+    from examples import hybrid_block as hb
+
+    dtype = DTYPES[config["dtype"]]
+    block = hb.make_block(config["dim"], config["heads"], config["kernel"], config["window"], dtype)
+    inputs = hb.make_inputs(batch, seq_len, config["dim"], pad, dtype)
+    return hb.cp_forward_backward(block, *inputs[:2], group, *inputs[2:])

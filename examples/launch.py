@@ -1,0 +1,81 @@
+"""Run a function on `world_size` gloo processes, once, with a time limit (for the demo and benchmark).
+
+Rendezvous is a FileStore on a temp file, never a fixed port. A rank that raises sends back its
+traceback; a rank that hangs (its peers failed, or a collective never completes) is killed when the
+time limit passes, and every other rank with it.
+"""
+
+from datetime import timedelta
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import tempfile
+import time
+import traceback
+
+
+def _rank_main(rank, world_size, store_path, gloo_timeout_s, fn, args, results):
+    try:
+        import torch.distributed as dist
+
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=gloo_timeout_s)
+        )
+        try:
+            results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))  # by value
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(fn, world_size, *args, timeout_s=300, env=None):
+    """fn(rank, world_size, *args) on each rank of a fresh gloo world; returns the per-rank results.
+
+    `fn` must be importable (a module-level function); `env` is set in the ranks' environment.
+    Raises RuntimeError with the failing ranks' tracebacks, or naming the ranks that did not finish.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})  # spawned children inherit the environment at start
+    with tempfile.TemporaryDirectory(prefix="cp_ranks_") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(r, world_size, store_path, max(30, timeout_s - 10), fn, args, results),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+        answers, failures = {}, {}
+        deadline = time.monotonic() + timeout_s
+        while len(answers) + len(failures) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            (answers if ok else failures)[rank] = value
+            if failures:
+                deadline = min(deadline, time.monotonic() + 5)
+        for p in procs:
+            p.join(timeout=5 if not failures and len(answers) == world_size else 0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    missing = sorted(set(range(world_size)) - set(answers) - set(failures))
+    if failures or missing:
+        details = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+        hung = f"ranks {missing} did not finish within {timeout_s}s" if missing else ""
+        raise RuntimeError(f"{fn.__name__} on {world_size} ranks failed: {hung}{details}")
+    return [pickle.loads(answers[r]) for r in range(world_size)]
