@@ -76,9 +76,15 @@ def print_cost_table(config, per_rank_layers):
     print("\nPer layer and rank: bytes received through torch_impl in one forward+backward (counted at the")
     print("c10d calls), against a full gather of the same tensors (all-gather forward, reduce-scatter")
     print("backward: 2*(n-1)*L tokens each); time is the layer's forward+backward, median of reps.")
-    print(
-        f"{'layer':<26}{'rank':>5}{'halo tokens':>12}{'received':>14}{'full gather':>14}{'ratio':>8}{'time ms':>10}"
+    columns = (
+        ("rank", 5),
+        ("halo tokens", 12),
+        ("received", 14),
+        ("full gather", 14),
+        ("ratio", 8),
+        ("time ms", 10),
     )
+    print(f"{'layer':<26}" + "".join(f"{name:>{width}}" for name, width in columns))
     for name in LAYERS:
         for r, layers in enumerate(per_rank_layers):
             got = layers[name]["received"]

@@ -229,7 +229,10 @@ def test_bad_arguments_raise_value_error_without_cp(call, match):
 
 
 def test_bad_group_raises_value_error():
-    with pytest.raises(ValueError, match="`group` must be a torch.distributed.ProcessGroup or None, got int"):
+    with pytest.raises(
+        ValueError,
+        match="`group` must be a torch.distributed.ProcessGroup, a 1-D DeviceMesh or None, got int",
+    ):
         torch_impl.gather_sequence(torch.zeros(1, 2), 0)
 
 

@@ -1,31 +1,31 @@
-"""Shared helpers: argument checks, group queries and the sequence-major layout.
+"""Shared helpers: group queries, the single-tensor collectives and the sequence-major layout.
 
 `group=None` means *no context parallelism* (a single rank), not the default process group.
 """
 
-import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+# torch >= 2.13 names the single-tensor collectives *_single; older releases *_tensor.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def check_shard(x):
-    """x must be [batch, local_sequence, ...]."""
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"`x` must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() < 2:
-        raise ValueError(f"`x` must be [batch, local_sequence, ...] (ndim >= 2), got shape {tuple(x.shape)}")
-
-
-def check_count(name, value):
-    """A token count: a non-negative Python int (bool is not a count)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"`{name}` must be a non-negative int, got {value!r}")
-
-
-def check_group(group):
+def resolve_group(group):
+    """The CP ProcessGroup, or None without CP; a 1-D DeviceMesh stands for its group."""
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"`group` must be a 1-D DeviceMesh, got a {group.ndim}-D one with dims "
+                f"{group.mesh_dim_names}; pass its CP sub-mesh, e.g. mesh['cp']"
+            )
+        return group.get_group()
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise ValueError(
-            f"`group` must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
+            "`group` must be a torch.distributed.ProcessGroup, a 1-D DeviceMesh or None, "
+            f"got {type(group).__name__}"
         )
+    return group
 
 
 def world_size(group):

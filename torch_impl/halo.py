@@ -5,7 +5,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from torch_impl import _group
+from torch_impl import _group, validation
 
 
 class Transfer(NamedTuple):
@@ -45,7 +45,7 @@ def _halo_forward(x, group, plan, halo_len, left_padding):
     """x: [B, L, ...] -> [B, left_padding + halo_len + L, ...]; pieces land in views of one buffer."""
     r, L = _group.rank(group), x.shape[1]
     sent = [t for t in plan if t.src == r]
-    longest = max((t.length for t in sent), default=0)
+    longest = max([t.length for t in sent] + [0])
     tail = _group.seq_major(x[:, L - longest :])  # [longest, B, ...]; a view when B == 1
     out = x.new_empty((left_padding + halo_len + L, x.shape[0], *x.shape[2:]))  # [T, B, ...]
     halo = out[left_padding : left_padding + halo_len]  # [halo_len, B, ...]
@@ -108,7 +108,7 @@ class _GatherHalo(torch.autograd.Function):
         return grad_x, None, None, None
 
 
-def gather_halo(x, group, halo_size, left_padding=0):
+def gather_halo(x, group, halo_size, left_padding=0, *, validate=None):
     """Prepend only the preceding causal window using point-to-point transport.
 
     forward: p2p receives from ranks r-1, r-2, ... (ceil(halo_size/L) at most, each sending only the
@@ -116,10 +116,11 @@ def gather_halo(x, group, halo_size, left_padding=0):
 
     Args:
         x: [batch, local_sequence, ...], rank r holding global tokens [r*L, (r+1)*L).
-        group: the CP process group, or None for a single rank (no CP).
+        group: the CP process group (or a 1-D DeviceMesh), or None for a single rank (no CP).
         halo_size: most preceding tokens to fetch, normally window - 1 (attention) or kernel - 1 (conv).
         left_padding: zero positions made locally before the halo (never sent), e.g. to align a
-            key tile with global key coordinates.
+            key tile with global key coordinates. It may differ between ranks.
+        validate: check first that all CP ranks called with matching inputs (torch_impl.validation).
 
     Returns:
         [batch, left_padding + h + local_sequence, ...] with h = min(r * local_sequence, halo_size):
@@ -129,10 +130,8 @@ def gather_halo(x, group, halo_size, left_padding=0):
     Backward: the gradient of the local part plus, from every later rank whose halo held some of this
     rank's tokens, the gradient of those tokens. The zeros' gradient is dropped.
     """
-    _group.check_shard(x)
-    _group.check_group(group)
-    _group.check_count("halo_size", halo_size)
-    _group.check_count("left_padding", left_padding)
+    group = _group.resolve_group(group)
+    validation.check("gather_halo", group, validate, x, halo_size, left_padding)
     if _group.world_size(group) == 1 and left_padding == 0:
         return x
     return _GatherHalo.apply(x, group, halo_size, left_padding)

@@ -1,13 +1,8 @@
 """gather_sequence: forward all-gather into one allocation, backward reduce-scatter."""
 
 import torch
-import torch.distributed as dist
 
-from torch_impl import _group
-
-# torch >= 2.13 names the single-tensor collectives *_single; older releases *_tensor.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from torch_impl import _group, validation
 
 
 def all_gather(x, group):
@@ -21,7 +16,7 @@ def all_gather(x, group):
         return x
     xs = _group.seq_major(x)  # [L, B, ...]
     out = xs.new_empty((n * xs.shape[0], *xs.shape[1:]))  # [n*L, B, ...]
-    _all_gather_single(out, xs, group=group)
+    _group.all_gather_single(out, xs, group=group)
     return out.transpose(0, 1)  # [B, n*L, ...]
 
 
@@ -32,7 +27,7 @@ def reduce_scatter(grad, group):
         return grad
     gs = _group.seq_major(grad)  # [n*L, B, ...]
     out = gs.new_empty((gs.shape[0] // n, *gs.shape[1:]))  # [L, B, ...]
-    _reduce_scatter_single(out, gs, group=group)
+    _group.reduce_scatter_single(out, gs, group=group)
     return out.transpose(0, 1)  # [B, L, ...]
 
 
@@ -49,14 +44,16 @@ class _GatherSequence(torch.autograd.Function):
         return reduce_scatter(grad_output, ctx.group), None
 
 
-def gather_sequence(x, group):
+def gather_sequence(x, group, *, validate=None):
     """Gather contiguous sequence shards with their autograd edges.
 
     forward: all-gather; backward: reduce-scatter.
 
     Args:
         x: [batch, local_sequence, ...], rank r holding global tokens [r*L, (r+1)*L).
-        group: the CP process group, or None for a single rank (no CP).
+        group: the CP process group (or a 1-D DeviceMesh), or None for a single rank (no CP).
+        validate: check first that all CP ranks called with matching inputs (see
+            torch_impl.validation); None follows the CP_TRANSPORT_VALIDATE environment variable.
 
     Returns:
         [batch, n * local_sequence, ...] with the shards in group-rank order, dtype of x. Without CP
@@ -65,8 +62,8 @@ def gather_sequence(x, group):
 
     Backward: rank r's gradient is the sum over ranks k of grad_out_k[:, r*L:(r+1)*L].
     """
-    _group.check_shard(x)
-    _group.check_group(group)
+    group = _group.resolve_group(group)
+    validation.check("gather_sequence", group, validate, x)
     if _group.world_size(group) == 1:
         return x
     return _GatherSequence.apply(x, group)

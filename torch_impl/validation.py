@@ -1,0 +1,150 @@
+"""Input checks: each rank's own arguments, and (opt-in) agreement across the CP ranks.
+
+Local checks run on every call and raise `ValueError` before any communication.
+
+Cross-rank validation (`validate=True`, or the environment variable CP_TRANSPORT_VALIDATE=1 for
+every call that leaves `validate` as None) first exchanges each rank's signature in one all-gather
+of a few int64s: the function called, and x's ndim, shape, dtype and device type, halo_size and
+left_padding, and whether the rank's own checks passed. Ranks that disagree on anything but
+left_padding (a local padding that may differ per rank) raise `ValueError` on every rank, naming
+them and their values, where the transport would otherwise hang or return garbage; a rank whose own
+arguments are wrong raises its own error after the exchange, and its peers raise one naming it.
+Turn it on while developing or debugging a CP setup; it costs one tiny collective per call. It is
+skipped inside torch.compile (it reads the exchanged values on the host).
+"""
+
+import os
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from torch_impl import _group
+
+ENV_VAR = "CP_TRANSPORT_VALIDATE"
+_FUNCTIONS = ("gather_sequence", "gather_halo", "gather_metadata")
+_MAX_DIMS = 8  # shape dims sent as they are; any beyond are folded into one checksum
+_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "meta", "hpu", "mtia", "privateuseone")
+
+
+def check_shard(x):
+    """x must be [batch, local_sequence, ...]."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"`x` must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 2:
+        raise ValueError(f"`x` must be [batch, local_sequence, ...] (ndim >= 2), got shape {tuple(x.shape)}")
+
+
+def check_count(name, value):
+    """A token count: a non-negative Python int (bool is not a count)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"`{name}` must be a non-negative int, got {value!r}")
+
+
+def check_local(function, x, halo_size=None, left_padding=None):
+    check_shard(x)
+    if function == "gather_halo":
+        check_count("halo_size", halo_size)
+        check_count("left_padding", left_padding)
+    if function == "gather_metadata" and x.requires_grad:
+        raise ValueError(
+            "`x` must not require grad in gather_metadata (it has no backward); "
+            "use gather_sequence for differentiable tensors, or pass x.detach()"
+        )
+
+
+def enabled(validate):
+    if validate is None:
+        return os.environ.get(ENV_VAR, "0").lower() in ("1", "true", "yes", "on")
+    return bool(validate)
+
+
+def check(function, group, validate, x, halo_size=None, left_padding=None):
+    """The local checks, preceded, when validation is on and there is CP, by the cross-rank one."""
+    if not enabled(validate) or _group.world_size(group) == 1 or torch.compiler.is_compiling():
+        check_local(function, x, halo_size, left_padding)
+        return
+    try:
+        check_local(function, x, halo_size, left_padding)
+        error = None
+    except ValueError as e:
+        error = e
+    rows = _exchange(_signature(function, x, halo_size, left_padding, error is None), x, group)
+    if error is not None:
+        raise error
+    _raise_on_disagreement(function, rows)
+
+
+def _code(text):
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF  # the same in every process, unlike hash()
+
+
+def _signature(function, x, halo_size, left_padding, ok):
+    tensor = isinstance(x, torch.Tensor)
+    shape = list(x.shape) if tensor else []
+    dims = shape[:_MAX_DIMS] + [-1] * (_MAX_DIMS - len(shape))
+    if len(shape) > _MAX_DIMS:
+        dims[-1] = _code(str(shape[_MAX_DIMS - 1 :]))
+
+    def count(v):
+        return v if isinstance(v, int) and not isinstance(v, bool) else -1
+
+    return [
+        _FUNCTIONS.index(function),
+        int(ok),
+        x.dim() if tensor else -1,
+        _code(str(x.dtype)) if tensor else -1,
+        _code(x.device.type) if tensor else -1,
+        count(halo_size),
+        count(left_padding),
+        *dims,
+    ]
+
+
+def _exchange(signature, x, group):
+    """Every rank's signature, in group-rank order: one all_gather_single of int64s."""
+    if isinstance(x, torch.Tensor):
+        device = x.device
+    else:
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+        )
+    mine = torch.tensor(signature, dtype=torch.int64, device=device)  # [K]
+    rows = mine.new_empty((_group.world_size(group) * mine.numel(),))  # [n*K]
+    _group.all_gather_single(rows, mine, group=group)
+    return rows.view(-1, mine.numel()).tolist()  # [n][K]
+
+
+def _describe(row):
+    dtypes = {
+        _code(str(v)): str(v).removeprefix("torch.")
+        for v in vars(torch).values()
+        if isinstance(v, torch.dtype)
+    }
+    devices = {_code(d): d for d in _DEVICE_TYPES}
+    ndim, dtype, device, halo_size, left_padding = row[2:7]
+    shown = row[7 : 7 + min(ndim, _MAX_DIMS)]
+    shape = "(" + ", ".join(map(str, shown)) + (", ..." if ndim > _MAX_DIMS else "") + ")"
+    text = f"{_FUNCTIONS[row[0]]} of shape {shape} {dtypes.get(dtype, '?')} on {devices.get(device, '?')}"
+    if row[0] == _FUNCTIONS.index("gather_halo"):
+        text += f", halo_size={halo_size}, left_padding={left_padding}"
+    return text
+
+
+def _raise_on_disagreement(function, rows):
+    failed = [r for r, row in enumerate(rows) if not row[1]]
+    if failed:
+        raise ValueError(
+            f"{function}: CP ranks {failed} rejected their own arguments (see the error on those ranks)"
+        )
+    agreed = [row[:6] + row[7:] for row in rows]  # left_padding (index 6) may differ per rank
+    if all(a == agreed[0] for a in agreed):
+        return
+    groups = {}
+    for r, a in enumerate(agreed):
+        groups.setdefault(tuple(a), []).append(r)
+    details = "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {_describe(rows[ranks[0]])}"
+        for ranks in sorted(groups.values(), key=len)
+    )
+    raise ValueError(f"{function}: CP ranks disagree on their inputs ({details})")
