@@ -2,7 +2,8 @@
 
     python -m benchmarks.cp_bench [--quick] [--worlds 2 4 8] [--json out/bench.json] [--plot out/bench.png]
 
-Baselines (implemented below, named as in the table):
+Variants (implemented below, named as in the table):
+  torch_impl        this library; `validated` the same with validate=True (its cost)
   list_cat          torch.distributed.nn.functional.all_gather + torch.cat(dim=1) (NeMo Automodel's
                     DeepSeek V4 CP path); on gloo its backward is n scatters and a sum
   funcol            _functional_collectives.all_gather_tensor_autograd(gather_dim=1)
@@ -196,6 +197,7 @@ def variants_for(kind, x, group, halo_size):
     if kind == "sequence":
         return {
             "torch_impl": lambda: gather_sequence(x, group),
+            "validated": lambda: gather_sequence(x, group, validate=True),
             "list_cat": lambda: list_cat(x, group),
             "funcol": lambda: funcol_gather(x, group),
             "dtensor": lambda: dtensor_gather(x, group),
@@ -204,6 +206,7 @@ def variants_for(kind, x, group, halo_size):
         }
     out = {
         "torch_impl": lambda: gather_halo(x, group, halo_size),
+        "validated": lambda: gather_halo(x, group, halo_size, validate=True),
         "full_then_slice": lambda: full_then_slice(x, group, halo_size),
         "raw": RawHalo(x.detach(), group, halo_size),
     }

@@ -29,9 +29,12 @@ def layout_ranks(layout):
     """The CP groups (lists of global ranks) of a layout, e.g. ("block", 3) -> [[0, 1, 2], [3, 4, 5]].
 
     ("block", n): consecutive ranks; ("strided", n): ranks r, r + k, r + 2k, ... with k = WORLD // n;
-    ("strided4", 2): the groups {0, 2} and {1, 3} of a world of 4 (ranks 4..7 idle).
+    ("strided4", 2): the groups {0, 2} and {1, 3} of a world of 4 (ranks 4..7 idle); ("first", n):
+    ranks 0..n-1 alone (for cases too costly to run on every group, like compiling).
     """
     kind, n = layout
+    if kind == "first":
+        return [list(range(n))]
     if kind == "block":
         return [list(range(g * n, (g + 1) * n)) for g in range(WORLD // n)]
     if kind == "strided":
@@ -42,7 +45,12 @@ def layout_ranks(layout):
     raise ValueError(f"unknown layout {layout!r}")
 
 
-LAYOUTS = [("block", n) for n in (1, 2, 3, 4, 8)] + [("strided", 2), ("strided", 4), ("strided4", 2)]
+LAYOUTS = [("block", n) for n in (1, 2, 3, 4, 8)] + [
+    ("strided", 2),
+    ("strided", 4),
+    ("strided4", 2),
+    ("first", 2),
+]
 
 
 def _worker(rank, store_path, tasks, results):
