@@ -31,6 +31,11 @@ Per configuration and variant, interleaving variants within each repetition:
                     (benchmarks.traffic.PayloadCounter), and the analytic minimum
   wire              bytes the rank's TCP sockets received (gloo's algorithm and headers included)
   calls             c10d calls per forward+backward
+
+Environment of the ranks: one thread each; PyTorch's CPU allocator asked for transparent huge pages
+(THP_MEM_ALLOC_ENABLE=1, PyTorch's own setting for CPU workloads) for every variant alike;
+`--default-allocator` turns it off. Without it, first-touching the pages of a fresh output costs
+about half as much as the gather itself on this VM (compare `raw` and `raw_alloc`).
 """
 
 import argparse
@@ -192,10 +197,10 @@ def analytic_min_received(r, n, L, halo_size):
     return got + lent
 
 
-def variants_for(kind, x, group, halo_size):
+def variants_for(kind, x, group, halo_size, validated):
     """name -> (forward fn returning an autograd output, or a Raw* floor object)."""
     if kind == "sequence":
-        return {
+        out = {
             "torch_impl": lambda: gather_sequence(x, group),
             "validated": lambda: gather_sequence(x, group, validate=True),
             "list_cat": lambda: list_cat(x, group),
@@ -204,14 +209,17 @@ def variants_for(kind, x, group, halo_size):
             "raw": RawSequence(x.detach(), group),
             "raw_alloc": RawSequence(x.detach(), group, fresh=True),
         }
-    out = {
-        "torch_impl": lambda: gather_halo(x, group, halo_size),
-        "validated": lambda: gather_halo(x, group, halo_size, validate=True),
-        "full_then_slice": lambda: full_then_slice(x, group, halo_size),
-        "raw": RawHalo(x.detach(), group, halo_size),
-    }
-    if halo_size <= x.shape[1]:
-        out["neighbour_ring"] = lambda: neighbour_ring(x, group, halo_size)
+    else:
+        out = {
+            "torch_impl": lambda: gather_halo(x, group, halo_size),
+            "validated": lambda: gather_halo(x, group, halo_size, validate=True),
+            "full_then_slice": lambda: full_then_slice(x, group, halo_size),
+            "raw": RawHalo(x.detach(), group, halo_size),
+        }
+        if halo_size <= x.shape[1]:
+            out["neighbour_ring"] = lambda: neighbour_ring(x, group, halo_size)
+    if not validated:
+        del out["validated"]
     return out
 
 
@@ -238,7 +246,7 @@ def measure(rank, world, group, cfg, reps):
     B, L, D, halo_size = cfg["batch"], cfg["L"], cfg["D"], cfg.get("halo_size")
     kind = "sequence" if halo_size is None else "halo"
     x = torch.randn(B, L, D, dtype=torch.float32, requires_grad=True)
-    variants = variants_for(kind, x, group, halo_size)
+    variants = variants_for(kind, x, group, halo_size, cfg.get("validated", False))
     cotangents = {name: torch.ones_like(v().detach()) for name, v in variants.items() if callable(v)}
     warm_up_and_check(variants, cotangents, x)
 
@@ -288,15 +296,16 @@ def bench_rank(rank, world, configs, reps):
 def sweep(quick):
     """{world: [configurations]}; each configuration is a gather (halo_size None) or a halo."""
     if quick:
-        return {2: [{"batch": 1, "L": 1024, "D": 64, "halo_size": h} for h in (None, 256)]}
+        return {2: [{"batch": 1, "L": 1024, "D": 64, "halo_size": h, "validated": True} for h in (None, 256)]}
 
-    def configs(batch, L):
+    def configs(batch, L, validated=False):
         halos = [None] + [int(f * L) for f in (1 / 8, 1 / 4, 1, 2.5)]
-        return [{"batch": batch, "L": L, "D": 512, "halo_size": h} for h in halos]
+        return [{"batch": batch, "L": L, "D": 512, "halo_size": h, "validated": validated} for h in halos]
 
-    # L = 16384 at the target world size only, to keep the sweep within minutes on 2 cores
+    # L = 16384, B = 2 and validation's cost at the target world size only: the sweep stays within
+    # minutes on 2 cores
     plan = {world: configs(1, 4096) for world in (2, 4, 8)}
-    plan[4] += configs(1, 16384) + configs(2, 4096)[:3]
+    plan[4] = configs(1, 4096, True) + configs(1, 16384, True) + configs(2, 4096)[:3]
     return plan
 
 
@@ -373,16 +382,21 @@ def plot(rows, path):
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
     ax = axes[2]
-    seq = [r for r in rows if r.get("halo_size") is None and r["batch"] == 1]
-    for variant in ("torch_impl", "funcol", "dtensor", "raw"):
+    seq = [r for r in rows if r["halo_size"] is None and r["batch"] == 1]
+    small = min(r["L"] for r in seq)
+    for i, variant in enumerate(("torch_impl", "funcol", "dtensor", "raw")):
+        color = f"C{i}"
         for metric, style in (("time_ratio", "-o"), ("mem_ratio", "--s")):
-            pts = sorted(
-                (r["world"] + 0.05 * (r["L"] > 4096), r[metric]) for r in seq if r["variant"] == variant
-            )
+            pts = sorted((r["world"], r[metric]) for r in seq if r["variant"] == variant and r["L"] == small)
             if pts:
-                ax.plot(*zip(*pts, strict=True), style, label=f"{variant} {metric.split('_')[0]}")
+                ax.plot(
+                    *zip(*pts, strict=True), style, color=color, label=f"{variant} {metric.split('_')[0]}"
+                )
+            big = [(r["world"], r[metric]) for r in seq if r["variant"] == variant and r["L"] > small]
+            if big:
+                ax.plot(*zip(*big, strict=True), "*", color=color, markersize=12)
     ax.axhline(1, color="gray", lw=0.8)
-    ax.set_xlabel("world size (right-shifted points: L=16384)")
+    ax.set_xlabel(f"world size (lines: L={small}; stars: larger L)")
     ax.set_ylabel("ratio to list_cat")
     ax.set_title("gather_sequence, forward+backward")
     ax.set_ylim(bottom=0)
@@ -456,12 +470,20 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="one small configuration on 2 ranks")
     parser.add_argument("--worlds", type=int, nargs="*", help="only these world sizes")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 5, quick 2)")
+    parser.add_argument(
+        "--default-allocator",
+        action="store_true",
+        help="no transparent huge pages for tensors (slower page faults)",
+    )
     parser.add_argument("--json", default="out/bench.json")
     parser.add_argument("--plot", default="out/bench.png")
     args = parser.parse_args(argv)
     reps = args.reps or (2 if args.quick else 5)
     plan = {w: c for w, c in sweep(args.quick).items() if not args.worlds or w in args.worlds}
     env = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
+    if not args.default_allocator:
+        env["THP_MEM_ALLOC_ENABLE"] = "1"
+    print(f"# rank environment: {env}")
     rows, started = [], time.perf_counter()
     print(HEADER)
     for world, configs in plan.items():
