@@ -75,10 +75,11 @@ def print_cost_table(config, per_rank_layers):
     tensors = {"causal_conv": 1, "sliding_window_attention": 2, "full_attention": 2}
     print("\nPer layer and rank: bytes received through torch_impl in one forward+backward (counted at the")
     print("c10d calls), against a full gather of the same tensors (all-gather forward, reduce-scatter")
-    print("backward: 2*(n-1)*L tokens each); time is the layer's forward+backward, median of reps.")
+    print("backward: 2*(n-1)*L tokens each). tokens in: per tensor, in forward. time: the layer's")
+    print("forward+backward, median of --reps.")
     columns = (
         ("rank", 5),
-        ("halo tokens", 12),
+        ("tokens in", 12),
         ("received", 14),
         ("full gather", 14),
         ("ratio", 8),

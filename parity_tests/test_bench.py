@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-import torch_impl
 from benchmarks import cp_bench
+import torch_impl
 
 
 def test_quick_mode_runs_and_counts_the_minimum_bytes(tmp_path, capsys):
@@ -15,7 +15,9 @@ def test_quick_mode_runs_and_counts_the_minimum_bytes(tmp_path, capsys):
     assert json.loads(json_path.read_text()) == json.loads(json.dumps(rows))
     assert plot_path.stat().st_size > 10_000
     variants = {(r["halo_size"], r["variant"]) for r in rows}
-    assert {(None, v) for v in ("torch_impl", "list_cat", "funcol", "dtensor", "raw", "raw_alloc")} <= variants
+    assert {
+        (None, v) for v in ("torch_impl", "list_cat", "funcol", "dtensor", "raw", "raw_alloc")
+    } <= variants
     assert {(256, v) for v in ("torch_impl", "full_then_slice", "neighbour_ring", "raw")} <= variants
     for r in rows:
         assert r["fb_ms"] > 0 and r["peak_mib"] >= 0 and r["calls"] > 0
