@@ -98,11 +98,16 @@ def test_torch_compile_matches_eager(pool, backend, functions):
 
 def test_500_calls_do_not_grow_memory_and_repeat_exactly(pool):
     results = pool.run(("block", 4), reliability_cases.long_run, 500, 50, timeout=180)
-    for group_results in results:
-        for report in group_results:
-            for name, figures in report.items():
-                assert figures["identical"], name
-                assert figures["rss_growth_mib"] < 8, (name, figures)
+    reports = [report for group_results in results for report in group_results]
+    for name in reports[0]:
+        growth = [report[name]["rss_growth_mib"] for report in reports]
+        start = [report[name]["rss_start_mib"] for report in reports]
+        print(
+            f"{name}: 500 calls, resident set {min(start):.0f}-{max(start):.0f} MiB after warm-up, "
+            f"growth {min(growth):+.2f} to {max(growth):+.2f} MiB over {len(reports)} ranks"
+        )
+        assert all(report[name]["identical"] for report in reports), name
+        assert max(growth) < 8, (name, growth)
 
 
 # --- a dead peer ------------------------------------------------------------------------------
