@@ -28,7 +28,7 @@ CULPRIT = {
 @pytest.mark.parametrize("scenario", list(CULPRIT))
 def test_mismatched_ranks_all_raise_naming_the_culprit(pool, scenario, via_env):
     """Groups of 4 ranks whose rank 2 differs: every rank raises ValueError within seconds (the
-    case's timeout is 20 s; without validation these calls hang or misread memory)."""
+    case's timeout is 20 s; without validation these calls hang or fail obscurely)."""
     results = pool.run(("block", 4), reliability_cases.mismatch, scenario, via_env, timeout=20)
     for group_results in results:
         for message, seconds in group_results:
@@ -53,7 +53,7 @@ def test_a_rank_rejecting_its_own_argument_makes_every_rank_raise(pool):
 
 def test_left_padding_may_differ_between_ranks(pool):
     results = pool.run(("block", 4), reliability_cases.left_padding_may_differ)
-    assert [shape for shape in results[0]] == [(2, 3 + 4, 3)] * 4  # 3 zeros or halo tokens, then 4 own
+    assert results[0] == [(2, 3 + 4, 3)] * 4  # 3 zeros or halo tokens, then the 4 own tokens
 
 
 # --- groups -----------------------------------------------------------------------------------

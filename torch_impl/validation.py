@@ -123,7 +123,7 @@ def _describe(row):
     }
     devices = {_code(d): d for d in _DEVICE_TYPES}
     ndim, dtype, device, halo_size, left_padding = row[2:7]
-    shown = row[7 : 7 + min(ndim, _MAX_DIMS)]
+    shown = row[7 : 7 + (ndim if ndim <= _MAX_DIMS else _MAX_DIMS - 1)]  # not the folded checksum
     shape = "(" + ", ".join(map(str, shown)) + (", ..." if ndim > _MAX_DIMS else "") + ")"
     text = f"{_FUNCTIONS[row[0]]} of shape {shape} {dtypes.get(dtype, '?')} on {devices.get(device, '?')}"
     if row[0] == _FUNCTIONS.index("gather_halo"):
