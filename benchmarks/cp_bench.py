@@ -44,7 +44,6 @@ import json
 import os
 import re
 import statistics
-import sys
 import time
 import warnings
 
@@ -508,4 +507,3 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-    sys.exit(0)
