@@ -55,7 +55,7 @@ import torch.distributed.nn.functional as dist_nn
 from benchmarks.traffic import PayloadCounter, wire_bytes
 from examples.launch import run_ranks
 from torch_impl import gather_halo, gather_sequence, halo_plan
-from torch_impl.halo import _start_exchange
+from torch_impl.halo import start_exchange
 
 # --- the baselines ----------------------------------------------------------------------------
 
@@ -78,9 +78,9 @@ def dtensor_gather(x, group):
 
 
 def full_then_slice(x, group, halo_size):
-    L = x.shape[1]
-    start = dist.get_rank(group) * L - min(dist.get_rank(group) * L, halo_size)
-    return list_cat(x, group)[:, start : start + min(dist.get_rank(group) * L, halo_size) + L]
+    own_start = dist.get_rank(group) * x.shape[1]  # global position of this rank's first token
+    start = own_start - min(own_start, halo_size)
+    return list_cat(x, group)[:, start : own_start + x.shape[1]]  # [B, h + L, D]
 
 
 class _NeighbourRing(torch.autograd.Function):
@@ -92,7 +92,7 @@ class _NeighbourRing(torch.autograd.Function):
         ctx.group = group
         prev = torch.empty_like(x) if r > 0 else None
         sends = [(r + 1, x.contiguous())] if r < n - 1 else []
-        for work in _start_exchange(sends, [(r - 1, prev)] if r > 0 else [], group):
+        for work in start_exchange(sends, [(r - 1, prev)] if r > 0 else [], group):
             work.wait()
         return torch.cat([prev, x], dim=1) if r > 0 else x.clone()
 
@@ -103,7 +103,7 @@ class _NeighbourRing(torch.autograd.Function):
         L = grad.shape[1] // (2 if r > 0 else 1)
         from_next = torch.empty_like(grad[:, -L:]) if r < n - 1 else None
         sends = [(r - 1, grad[:, :L].contiguous())] if r > 0 else []
-        for work in _start_exchange(sends, [(r + 1, from_next)] if r < n - 1 else [], group):
+        for work in start_exchange(sends, [(r + 1, from_next)] if r < n - 1 else [], group):
             work.wait()
         grad_x = grad[:, -L:]
         return (grad_x + from_next if from_next is not None else grad_x), None
@@ -149,7 +149,7 @@ class RawHalo:
         self.back = {t: self.x.new_empty((t.length, *self.x.shape[1:])) for t in self.plan if t.src == r}
 
     def _run(self, pairs):
-        for work in _start_exchange(*pairs, self.group):
+        for work in start_exchange(*pairs, self.group):
             work.wait()
 
     def forward(self):

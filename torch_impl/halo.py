@@ -34,7 +34,7 @@ def halo_plan(world_size, local_len, halo_size):
     return tuple(plan)
 
 
-def _start_exchange(sends, recvs, group):
+def start_exchange(sends, recvs, group):
     """Post every (peer group rank, tensor) send and receive as one batch; returns the work handles."""
     ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, peer), group) for peer, t in sends]
     ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, peer), group) for peer, t in recvs]
@@ -49,7 +49,7 @@ def _halo_forward(x, group, plan, halo_len, left_padding):
     tail = _group.seq_major(x[:, L - longest :])  # [longest, B, ...]; a view when B == 1
     out = x.new_empty((left_padding + halo_len + L, x.shape[0], *x.shape[2:]))  # [T, B, ...]
     halo = out[left_padding : left_padding + halo_len]  # [halo_len, B, ...]
-    works = _start_exchange(
+    works = start_exchange(
         [(t.dst, tail[longest - t.length :]) for t in sent],  # [length, B, ...]
         [(t.src, halo[t.dst_start : t.dst_start + t.length]) for t in plan if t.dst == r],
         group,
@@ -68,7 +68,7 @@ def _halo_backward(grad, group, plan, halo_len, left_padding):
     halo = grad[:, left_padding : left_padding + halo_len]  # [B, halo_len, ...]
     returned = [t for t in plan if t.src == r]  # the tails this rank sent; their grads come back
     bufs = [local.new_empty((t.length, *local.shape[1:])) for t in returned]  # [length, B, ...]
-    works = _start_exchange(
+    works = start_exchange(
         [
             (t.src, _group.seq_major(halo[:, t.dst_start : t.dst_start + t.length]))
             for t in plan
