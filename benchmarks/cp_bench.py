@@ -28,7 +28,7 @@ Per configuration and variant, interleaving variants within each repetition:
                     Limits: it counts everything the process touches, gloo's internal buffers
                     included (which is the point), at page granularity; it is CPU memory only
   recv / min        bytes received per rank in one forward+backward, counted at the c10d calls
-                    (benchmarks.traffic.PayloadCounter), and the analytic minimum
+                    (torch_impl.traffic.PayloadCounter), and the analytic minimum
   wire              bytes the rank's TCP sockets received (gloo's algorithm and headers included)
   calls             c10d calls per forward+backward
 
@@ -52,10 +52,10 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.distributed.nn.functional as dist_nn
 
-from benchmarks.traffic import PayloadCounter, wire_bytes
 from examples.launch import run_ranks
 from torch_impl import gather_halo, gather_sequence, halo_plan
 from torch_impl.halo import start_exchange
+from torch_impl.traffic import PayloadCounter, wire_bytes
 
 # --- the baselines ----------------------------------------------------------------------------
 

@@ -50,6 +50,7 @@ LAYOUTS = [("block", n) for n in (1, 2, 3, 4, 8)] + [
     ("strided", 4),
     ("strided4", 2),
     ("first", 2),
+    ("first", 4),
 ]
 
 

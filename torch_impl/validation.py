@@ -75,6 +75,14 @@ def check(function, group, validate, x, halo_size=None, left_padding=None):
     _raise_on_disagreement(function, rows)
 
 
+def failed_ranks(ok, x, group):
+    """The CP ranks whose own check of their local data failed (`ok` False on them), in one
+    all-gather of a flag per rank: for checks that only some ranks can fail, so that every rank can
+    raise instead of leaving its peers waiting in the next collective. x: any tensor of the rank's,
+    for the device."""
+    return [r for r, (flag,) in enumerate(_exchange([int(ok)], x, group)) if not flag]
+
+
 def _code(text):
     return zlib.crc32(text.encode()) & 0x7FFFFFFF  # the same in every process, unlike hash()
 

@@ -17,7 +17,9 @@ import os
 import socket
 import stat
 import struct
+from typing import NamedTuple
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _NO_PAYLOAD = {"barrier", "monitored_barrier", "wait_tensor", "_wrap_tensor_autograd"}
@@ -60,12 +62,24 @@ def _payload(name, args):
     raise NotImplementedError(f"PayloadCounter does not know c10d op {name!r}")
 
 
+class Call(NamedTuple):
+    tag: object  # the counter's `tag` when the call was made (e.g. a layer name), or None
+    op: str  # the c10d op, e.g. "_allgather_base_", "send", "recv_"
+    dtype: torch.dtype
+    received: int  # bytes
+    sent: int
+
+
 class PayloadCounter(TorchDispatchMode):
-    """with PayloadCounter() as c: ...; then c.received, c.sent (bytes) and c.calls (c10d calls)."""
+    """with PayloadCounter() as c: ...; then c.received, c.sent (bytes) and c.calls (c10d calls).
+
+    `c.log` lists every call (a `Call`); set `c.tag` while counting to attribute calls, e.g. to layers.
+    """
 
     def __init__(self):
         super().__init__()
         self.received = self.sent = self.calls = 0
+        self.log, self.tag = [], None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.name().split("::")[-1].split(".")[0]
@@ -74,6 +88,8 @@ class PayloadCounter(TorchDispatchMode):
             self.received += received
             self.sent += sent
             self.calls += 1
+            dtype = next(t.dtype for t in _flat(args) if isinstance(t, torch.Tensor))
+            self.log.append(Call(self.tag, name, dtype, received, sent))
         return func(*args, **(kwargs or {}))
 
 
@@ -94,3 +110,23 @@ def wire_bytes():
                 acked, got = struct.unpack_from("QQ", info, 120)  # tcpi_bytes_acked, tcpi_bytes_received
                 received, sent = received + got, sent + acked
     return received, sent
+
+
+def tag_layers(counter, layers):
+    """Tag the calls `counter` sees with ("forward" | "backward", i) while layers[i] runs.
+
+    Forward pre-hooks tag a layer's forward; full backward pre-hooks its backward (without
+    activation checkpointing: recomputed forwards would be tagged as backward). Returns the handles.
+    """
+
+    def tagger(direction, index):
+        def hook(*_):
+            counter.tag = (direction, index)
+
+        return hook
+
+    handles = []
+    for index, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(tagger("forward", index)))
+        handles.append(layer.register_full_backward_pre_hook(tagger("backward", index)))
+    return handles

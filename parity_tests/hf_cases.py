@@ -1,0 +1,117 @@
+"""What each gloo rank runs for the hf tests: a tiny transformers model made CP by torch_impl.hf."""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from parity_tests import hf_models
+import torch_impl
+from torch_impl import hf, validation
+from torch_impl.traffic import PayloadCounter, tag_layers
+
+
+def cp_step(group, name, dtype, state, batch, mode="eval"):
+    """One forward and backward of the CP model on this rank's shard.
+
+    mode: "eval"; "train" (model.train()); "train_ac" (train + activation checkpointing).
+    Returns logits, loss, every parameter's grad (this rank's partial sum) and, in eval mode, the
+    bytes received per (direction, layer) and dtype, counted at the c10d calls.
+    """
+    model = hf_models.build(name, getattr(torch, dtype))
+    model.load_state_dict(state)
+    model.train(mode != "eval")
+    if mode == "train_ac":
+        model.gradient_checkpointing_enable()
+    hf.parallelize(model, group)
+    local = hf.shard_batch(batch, group)
+    counter = PayloadCounter()
+    if mode == "eval":
+        tag_layers(counter, model.model.layers)
+    with counter:
+        out = model(**local)
+        out.loss.backward()
+    received = {}
+    for call in counter.log if mode == "eval" else ():
+        key = (*call.tag, str(call.dtype).removeprefix("torch."))
+        received[key] = received.get(key, 0) + call.received
+    grads = {key: p.grad for key, p in model.named_parameters()}
+    return {"logits": out.logits.detach(), "loss": out.loss.detach(), "grads": grads, "received": received}
+
+
+def refuse(group, name):
+    """parallelize on a model the adapter cannot make exact: the message, the c10d calls it made
+    (none), and a gather afterwards that shows no rank was left waiting."""
+    model = hf_models.build(name)
+    with PayloadCounter() as counter:
+        try:
+            hf.parallelize(model, group)
+            message = None
+        except ValueError as e:
+            message = str(e)
+    after = torch_impl.gather_sequence(torch.full((1, 1), float(dist.get_rank(group))), group)
+    return message, counter.calls, after.flatten().tolist()
+
+
+def unsupported_call(group, name, state, batch, call):
+    """A model that parallelize accepted, called in a way CP cannot make exact: the ValueError."""
+    model = hf_models.build(name)
+    model.load_state_dict(state)
+    hf.parallelize(model, group)
+    local = hf.shard_batch(batch, group)
+    if call == "kv_cache":  # a decode step after a prefill: the cache holds this rank's keys only
+        prefill = model(**{k: local[k] for k in ("input_ids", "position_ids")}, use_cache=True)
+        kwargs = {"input_ids": local["input_ids"][:, -1:], "position_ids": local["position_ids"][:, -1:] + 1}
+        kwargs |= {"past_key_values": prefill.past_key_values, "use_cache": True}
+    elif call == "packed_positions":  # two documents per row: positions restart at S/2 (on rank 1 of 2)
+        positions = local["position_ids"] % (hf_models.SEQ_LEN // 2)
+        kwargs = {"input_ids": local["input_ids"], "position_ids": positions, "use_cache": False}
+    elif call == "4d_mask":
+        L = local["input_ids"].shape[1]
+        kwargs = {"input_ids": local["input_ids"], "attention_mask": torch.ones(2, 1, L, L, dtype=torch.bool)}
+    os.environ[validation.ENV_VAR] = "1"  # ranks whose own inputs look right must raise too
+    try:
+        model(**kwargs)
+        return None
+    except ValueError as e:
+        return str(e)
+    finally:
+        os.environ.pop(validation.ENV_VAR)
+
+
+def without_cp(group, name, state, batch):
+    """A group of size 1: parallelize returns the model untouched and shard_batch the batch."""
+    model = hf_models.build(name)
+    model.load_state_dict(state)
+    same = hf.parallelize(model, group) is model and model.config._attn_implementation == "sdpa"
+    local = hf.shard_batch(batch, group)
+    out = model(**local)
+    out.loss.backward()
+    return (
+        same,
+        local,
+        out.logits.detach(),
+        out.loss.detach(),
+        {k: p.grad for k, p in model.named_parameters()},
+    )
+
+
+def shard_bad_length(group):
+    try:
+        hf.shard_batch({"input_ids": torch.zeros(2, 22, dtype=torch.long)}, group)
+        return None
+    except ValueError as e:
+        return str(e)
+
+
+def other_model_unaffected(group, name, state, batch):
+    """Logits of an untouched model before and after another one in the process is made CP, and
+    its attention implementation afterwards."""
+    other = hf_models.build(name)
+    other.load_state_dict(state)
+    before = other(**batch).logits.detach()
+    model = hf_models.build(name)
+    model.load_state_dict(state)
+    hf.parallelize(model, group)
+    model(**hf.shard_batch(batch, group))
+    return before, other(**batch).logits.detach(), other.config._attn_implementation

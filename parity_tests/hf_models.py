@@ -1,0 +1,104 @@
+"""Tiny transformers models with random weights, built from configs (no downloads), for the hf tests.
+
+Windows are chosen against the tests' S = 24 tokens: at n = 4 ranks (L = 6) Gemma 3's window of
+10 (halo 9) and Mistral's of 14 (halo 13) reach back two and three shards; at n = 2 (L = 12)
+Mistral's reaches back to the start of rank 0's shard.
+"""
+
+import torch
+
+VOCAB = 64
+SEQ_LEN = 24
+
+
+def _small(**overrides):
+    return {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,  # GQA
+        "head_dim": 8,
+        "max_position_embeddings": 128,
+        **overrides,
+    }
+
+
+def _eager_experts(model):
+    model.set_experts_implementation("eager")  # grouped_mm has no float64 kernel on CPU
+    return model
+
+
+def _configs():
+    import transformers as tf
+
+    return {
+        "gemma3": lambda: tf.Gemma3ForCausalLM(
+            tf.Gemma3TextConfig(
+                **_small(num_hidden_layers=3, sliding_window=10, query_pre_attn_scalar=16),
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                final_logit_softcapping=30.0,
+            )
+        ),
+        "mistral": lambda: tf.MistralForCausalLM(
+            tf.MistralConfig(**_small(num_hidden_layers=2, sliding_window=14))
+        ),
+        "lfm2": lambda: tf.Lfm2ForCausalLM(
+            tf.Lfm2Config(
+                **_small(num_hidden_layers=4),
+                layer_types=["conv", "full_attention", "conv", "full_attention"],
+                conv_bias=True,
+            )
+        ),
+        "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**_small(num_hidden_layers=2))),
+        "gpt_oss": lambda: _eager_experts(  # attention sinks, eager attention
+            tf.GptOssForCausalLM(
+                tf.GptOssConfig(**_small(num_hidden_layers=2, sliding_window=10), num_local_experts=4)
+            )
+        ),
+        # refused by parallelize
+        "qwen3_next": lambda: tf.Qwen3NextForCausalLM(
+            tf.Qwen3NextConfig(
+                **_small(num_hidden_layers=2),
+                layer_types=["linear_attention", "full_attention"],
+                num_experts=4,
+                linear_num_value_heads=2,
+                linear_num_key_heads=2,
+            )
+        ),
+        "mamba": lambda: tf.MambaForCausalLM(
+            tf.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=4, num_hidden_layers=2)
+        ),
+        "t5": lambda: tf.T5ForConditionalGeneration(
+            tf.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=1, num_heads=4)
+        ),
+        "gemma3_bidirectional": lambda: tf.Gemma3ForCausalLM(
+            tf.Gemma3TextConfig(**_small(num_hidden_layers=1), use_bidirectional_attention=True)
+        ),
+    }
+
+
+SUPPORTED = ("gemma3", "mistral", "lfm2", "llama", "gpt_oss")
+REFUSED = {  # model -> what the error names
+    "qwen3_next": "model.layers.0.linear_attn (Qwen3NextGatedDeltaNet) carries recurrent state",
+    "mamba": "(MambaForCausalLM) carries recurrent state",
+    "t5": "encoder.block.0.layer.0.SelfAttention (T5Attention) is bidirectional or cross attention",
+    "gemma3_bidirectional": "model.layers.0.self_attn (Gemma3Attention) is bidirectional",
+}
+
+
+def build(name, dtype=torch.float64, seed=0):
+    """The named tiny model in `dtype`, its weights drawn from `seed`."""
+    torch.manual_seed(seed)
+    return _configs()[name]().to(dtype)
+
+
+def make_batch(batch=2, seq_len=SEQ_LEN, pad=5, seed=1):
+    """input_ids, attention_mask (row 1 right-padded by `pad` tokens) and labels (-100 on padding)."""
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, VOCAB, (batch, seq_len), generator=gen)
+    attention_mask = torch.ones(batch, seq_len, dtype=torch.long)
+    if batch > 1 and pad:
+        attention_mask[1, seq_len - pad :] = 0
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}

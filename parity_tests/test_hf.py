@@ -1,0 +1,219 @@
+"""torch_impl.hf: transformers' own models, made CP, against the same model in one process.
+
+Every model is tiny, random and built from a config (parity_tests.hf_models); the batch is 2 rows of
+S = 24 tokens, row 1 right-padded by 5 tokens (labels -100 there). On n ranks, rank r holds the
+tokens [r*L, (r+1)*L), L = 24/n, and must give the single-process logits of those rows at every
+non-padding position; the ranks' losses add up to the single-process loss and their parameter
+gradients add up to its gradients. Every group of the layout is checked, every rank of each.
+
+Tolerances: float64 logits to 1e-9 (the attention sums the same terms in another order); loss and
+gradients to 1e-6 relative, because transformers computes the loss in float32 (`logits.float()`),
+so the ranks' partial losses carry float32 rounding. float32: logits to 1e-5, loss and gradients to
+1e-5 relative (a few float32 ulps through four layers and the float32 loss).
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from parity_tests import hf_cases, hf_models
+from torch_impl import hf
+
+TOLERANCE = {"float64": (1e-9, 1e-6), "float32": (1e-5, 1e-5)}  # (logits abs, loss/grads rel)
+
+
+def reference(name, dtype):
+    """(state_dict, batch, logits, loss, grads) of the model in one process, eval mode."""
+    model = hf_models.build(name, getattr(torch, dtype))
+    model.eval()
+    batch = hf_models.make_batch()
+    out = model(**batch)
+    out.loss.backward()
+    grads = {key: p.grad for key, p in model.named_parameters()}
+    return model.state_dict(), batch, out.logits.detach(), out.loss.detach(), grads
+
+
+def assert_matches_reference(results, ref, dtype):
+    _, batch, logits, loss, grads = ref
+    logits_tol, rel = TOLERANCE[dtype]
+    n = len(results)
+    L = logits.shape[1] // n
+    valid = batch["attention_mask"].bool()
+    for r, res in enumerate(results):
+        assert res["logits"].shape == (2, L, hf_models.VOCAB) and res["logits"].dtype == logits.dtype
+        shard = slice(r * L, (r + 1) * L)
+        diff = (res["logits"] - logits[:, shard]).abs()[valid[:, shard]]
+        assert diff.max() <= logits_tol, (r, diff.max())
+    total = sum(res["loss"] for res in results)
+    assert abs(total - loss) <= rel * abs(loss), (total, loss)
+    for key, g in grads.items():
+        summed = sum(res["grads"][key] for res in results)
+        err = (summed - g).abs().max() / g.abs().max()
+        assert err <= rel, (key, err.item())
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("name", hf_models.SUPPORTED)
+def test_cp_model_equals_one_process_float64(pool, name, n):
+    ref = reference(name, "float64")
+    for group_results in pool.run(("block", n), hf_cases.cp_step, name, "float64", ref[0], ref[1]):
+        assert_matches_reference(group_results, ref, "float64")
+
+
+@pytest.mark.parametrize("name", ["gemma3", "lfm2"])
+def test_cp_model_equals_one_process_float32(pool, name):
+    ref = reference(name, "float32")
+    for group_results in pool.run(("strided", 4), hf_cases.cp_step, name, "float32", ref[0], ref[1]):
+        assert_matches_reference(group_results, ref, "float32")
+
+
+@pytest.mark.parametrize("mode", ["train", "train_ac"])
+@pytest.mark.parametrize("name", ["gemma3", "lfm2"])
+def test_train_mode_and_activation_checkpointing_give_the_same_grads(pool, name, mode):
+    ref = reference(name, "float64")
+    (group_results,) = pool.run(("first", 4), hf_cases.cp_step, name, "float64", ref[0], ref[1], mode)
+    assert_matches_reference(group_results, ref, "float64")
+
+
+# --- bytes on the wire ------------------------------------------------------------------------
+
+
+def layer_kinds(config):
+    """Per decoder layer: ("full", None), ("sliding", W) or ("conv", K)."""
+    kinds = []
+    for i in range(config.num_hidden_layers):
+        kind = config.layer_types[i] if getattr(config, "layer_types", None) else None
+        if kind == "conv":
+            kinds.append(("conv", config.conv_L_cache))
+        elif kind == "sliding_attention" or (kind is None and getattr(config, "sliding_window", None)):
+            kinds.append(("sliding", config.sliding_window))
+        else:
+            kinds.append(("full", None))
+    return kinds
+
+
+def halo_tokens(dst, halo_size, L):
+    """The global tokens of rank dst's halo: [dst*L - h, dst*L), h = min(dst*L, halo_size)."""
+    return range(dst * L - min(dst * L, halo_size), dst * L)
+
+
+def minimum_bytes(kind, size, r, n, L, B, config, item):
+    """{(direction, dtype): bytes} rank r must receive for one layer: the analytic minimum.
+
+    Attention: K and V, each over (n-1)*L tokens (full) or its halo of min(r*L, W-1) tokens
+    (sliding); forward also the bool padding mask over the same tokens (1 byte each). Conv: its
+    input over its halo of min(r*L, K-1) tokens, and forward its bool padding mask. Backward a rank
+    receives the gradients of what it sent: (n-1)*L tokens (full) or its own tokens in later
+    ranks' halos.
+    """
+    if kind == "conv":
+        per_token = config.hidden_size * item
+    else:
+        per_token = 2 * config.num_key_value_heads * config.head_dim * item
+    if kind == "full":
+        received = sent = (n - 1) * L
+    else:
+        received = len(halo_tokens(r, size - 1, L))
+        sent = sum(r * L <= t < (r + 1) * L for dst in range(r + 1, n) for t in halo_tokens(dst, size - 1, L))
+    dtype = "float64" if item == 8 else "float32"
+    wanted = {
+        ("forward", dtype): B * received * per_token,
+        ("forward", "bool"): B * received,
+        ("backward", dtype): B * sent * per_token,
+    }
+    return {key: value for key, value in wanted.items() if value}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("name", ["gemma3", "mistral", "lfm2", "llama"])
+def test_bytes_per_layer_are_the_analytic_minimum(pool, name, n):
+    """Counted at the c10d calls, per decoder layer and rank, forward and backward."""
+    state, batch, *_ = reference(name, "float64")
+    config = hf_models.build(name).config
+    L = hf_models.SEQ_LEN // n
+    for group_results in pool.run(("block", n), hf_cases.cp_step, name, "float64", state, batch):
+        for r, res in enumerate(group_results):
+            for index, (kind, size) in enumerate(layer_kinds(config)):
+                got = {(d, dtype): v for (d, i, dtype), v in res["received"].items() if i == index and v}
+                assert got == minimum_bytes(kind, size, r, n, L, 2, config, 8), (index, kind, r)
+
+
+# --- refusals ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(hf_models.REFUSED))
+def test_unsupported_model_raises_at_parallelize_on_every_rank(pool, name):
+    for group_results in pool.run(("block", 2), hf_cases.refuse, name):
+        for message, calls, after in group_results:
+            assert message is not None and message.startswith("torch_impl.hf.parallelize: "), message
+            assert hf_models.REFUSED[name] in message, message
+            assert calls == 0 and after == [0.0, 1.0]  # no communication; every rank still in step
+
+
+@pytest.mark.parametrize(
+    "call,says",
+    [
+        ("kv_cache", ["KV cache"] * 2),
+        ("packed_positions", ["CP ranks [1] rejected their inputs", "packed sequences"]),
+        ("4d_mask", ["4-D masks"] * 2),
+    ],
+)
+def test_calls_that_cannot_be_exact_raise_on_every_rank(pool, call, says):
+    """With validation on, a rank whose own inputs pass raises too, naming the rank that failed."""
+    state, batch, *_ = reference("llama", "float64")
+    for group_results in pool.run(("block", 2), hf_cases.unsupported_call, "llama", state, batch, call):
+        for message, expected in zip(group_results, says, strict=True):
+            assert message is not None and expected in message, message
+
+
+def test_shard_batch_requires_divisible_length(pool):
+    (results,) = pool.run(("first", 4), hf_cases.shard_bad_length)
+    for message in results:
+        assert message == "the sequence length S=22 must be divisible by the CP size n=4", message
+
+
+# --- without CP, and other models in the process ----------------------------------------------
+
+
+def test_without_cp_the_model_is_bit_for_bit_unchanged(pool):
+    state, batch, logits, loss, grads = reference("gemma3", "float64")
+    model, local = hf_models.build("gemma3"), hf.shard_batch(batch, None)
+    assert hf.parallelize(model, None) is model and model.config._attn_implementation == "sdpa"
+    assert local is not batch and local.keys() == batch.keys() and all(local[k] is batch[k] for k in batch)
+    for ((same, local, got_logits, got_loss, got_grads),) in pool.run(
+        ("block", 1), hf_cases.without_cp, "gemma3", state, batch
+    ):
+        assert same and local.keys() == batch.keys()
+        assert torch.equal(got_logits, logits) and torch.equal(got_loss, loss)
+        assert all(torch.equal(got_grads[k], g) for k, g in grads.items())
+
+
+def test_another_model_in_the_process_is_unaffected(pool):
+    """Each rank parallelizes one Gemma 3 and runs a second, untouched one: bit for bit as before."""
+    state, batch, logits, *_ = reference("gemma3", "float64")
+    for group_results in pool.run(("block", 2), hf_cases.other_model_unaffected, "gemma3", state, batch):
+        for before, after, implementation in group_results:
+            assert torch.equal(before, logits) and torch.equal(after, logits) and implementation == "sdpa"
+
+
+def test_the_core_imports_without_the_optional_extras():
+    """`import torch_impl` needs torch only: transformers and jax stay unimported (and may be absent)."""
+    code = (
+        "import sys\n"
+        "class Absent:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('transformers', 'jax'):\n"
+        "            raise ImportError(f'{name} is not installed')\n"
+        "sys.meta_path.insert(0, Absent())\n"
+        "import torch_impl, torch_impl.traffic\n"
+        "torch_impl.gather_sequence\n"
+        "try:\n"
+        "    import torch_impl.hf\n"
+        "except ImportError as e:\n"
+        "    print('hf:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "hf: transformers is not installed", out.stdout

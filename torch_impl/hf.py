@@ -1,0 +1,457 @@
+"""Hugging Face `transformers` models made context-parallel, each layer moving only what it needs.
+
+    from torch_impl import hf
+
+    model = hf.parallelize(model, group)  # in place; group: ProcessGroup, 1-D DeviceMesh or None
+    local = hf.shard_batch(batch, group)  # global [B, S] tensors -> this rank's model kwargs
+    out = model(**local)                  # out.logits: [B, S/n, vocab]; out.loss: this rank's share
+    out.loss.backward()                   # parameter grads summed over the CP group = one process's
+
+Rank r of n holds the global tokens [r*L, (r+1)*L), L = S/n. The adapter is one registered
+attention implementation (`config._attn_implementation = "cp_transport"`, through transformers'
+`AttentionInterface` and `AttentionMaskInterface`) and forward hooks on short convolutions:
+
+| layer kind                              | forward transport (rank r)    | the math                  |
+|-----------------------------------------|-------------------------------|---------------------------|
+| full causal attention                   | K, V: gather_sequence;        | the model's own attention |
+|                                         | padding mask: gather_metadata | and mask functions (sdpa  |
+| sliding-window attention, window W      | K, V: gather_halo(W - 1);     | or eager), queries offset |
+| (a query sees W keys, itself included)  | padding mask: gather_halo     | by r*L, keys by theirs    |
+| causal depthwise short conv, kernel K   | input, padding mask:          | the module's own forward; |
+| (LFM2's `Lfm2ShortConv`)                | gather_halo(K - 1)            | the halo's outputs dropped|
+
+The model decides which layers slide: its mask factory (`create_sliding_window_causal_mask`) calls
+this implementation's mask function with the window, which returns a `LocalMask` that the model
+routes to those layers. The attention and mask functions that do the math are the model's own
+(`sdpa`, or its module's `eager_attention_forward` with GQA, scaling, soft-capping, sinks and
+dropout as the model passes them), called on the gathered keys with the query rows offset by r*L.
+Whatever this cannot make exact raises `ValueError`: at `parallelize` (recurrent layers, cross or
+bidirectional attention, chunked attention, unknown sequence convolutions, flash/flex kernels),
+or at the first call (a KV cache past the first step, packed sequences or custom mask overlays,
+a 4-D mask).
+"""
+
+from collections.abc import Callable
+import dataclasses
+import inspect
+import re
+import sys
+from typing import NamedTuple
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+from transformers import AttentionInterface, PreTrainedConfig
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    AttentionMaskInterface,
+    causal_mask_function,
+    sliding_window_causal_mask_function,
+)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from torch_impl import _group, validation
+from torch_impl.halo import gather_halo
+from torch_impl.metadata import gather_metadata
+from torch_impl.sequence import gather_sequence
+
+IMPLEMENTATION = "cp_transport"
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "conv")
+SHORT_CONVS = ("Lfm2ShortConv", "Lfm2MoeShortConv")  # causal depthwise conv of in_proj's gated output
+RECURRENT = re.compile(r"Mamba|GatedDeltaNet|LinearAttention|Rwkv|RWKV|Recurrent|Retention|xLSTM|Ssm|SSM")
+IGNORE_INDEX = -100
+BATCH_KEYS = ("input_ids", "attention_mask", "labels")
+
+
+class LocalMask(NamedTuple):
+    """What this implementation's mask function hands the model to route to its attention layers."""
+
+    padding: torch.Tensor | None  # bool [B, L]: this rank's 2-D padding mask (True: a token), or None
+    window: int | None  # sliding window W (a query sees W keys, itself included); None: full causal
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPlan:
+    """Set on each attention module by `parallelize`: its CP group and the model's own math."""
+
+    group: object  # torch.distributed.ProcessGroup
+    attend: Callable  # (module, q, k, v, mask, **kwargs) -> (out [B, L, H, D], weights)
+    make_mask: Callable  # transformers' mask function for `attend` (sdpa_mask or eager_mask)
+
+
+# --- the registered attention and mask functions -------------------------------------------------
+
+
+def local_mask(
+    batch_size,
+    q_length,
+    kv_length,
+    q_offset=0,
+    kv_offset=0,
+    attention_mask=None,
+    local_size=None,
+    allow_is_causal_skip=True,
+    use_vmap=False,
+    **kwargs,
+):
+    """transformers calls this once per forward per mask kind; the math waits for the gathered keys."""
+    if q_offset != 0 or kv_offset != 0 or kv_length != q_length:
+        raise ValueError(
+            f"`{IMPLEMENTATION}` cannot attend over a KV cache (generation): the model asked for "
+            f"{q_length} queries over {kv_length} keys at offsets {q_offset}, {kv_offset}"
+        )
+    if not allow_is_causal_skip or use_vmap:
+        raise ValueError(
+            f"`{IMPLEMENTATION}` supports plain causal and sliding-window masks only: this model asked for "
+            "another pattern (packed sequences in position_ids, bidirectional or blockwise overlays, "
+            "an indexer, or a non-causal config)"
+        )
+    return LocalMask(attention_mask, local_size)
+
+
+def fetch_keys(group, key, value, padding, window):
+    """This rank's keys and values, their padding mask, and the global position of the first key.
+
+    key/value: [B, Hkv, L, D]; padding: bool [B, L] or None. Full attention (window None) gathers
+    keys 0 .. S-1; a window W fetches only the h = min(r*L, W-1) keys before this rank's own.
+    Returns key/value [B, Hkv, T, D] for the keys first_key .. (r+1)*L - 1, and the padding mask
+    indexed by global key position ([B, (r+1)*L] or [B, S]; False before first_key), or None.
+    """
+    L = key.shape[2]
+    if window is None:
+        key = gather_sequence(key.transpose(1, 2), group).transpose(1, 2)  # [B, Hkv, S, D]
+        value = gather_sequence(value.transpose(1, 2), group).transpose(1, 2)  # [B, Hkv, S, D]
+        padding = None if padding is None else gather_metadata(padding, group)  # [B, S]
+        return key, value, padding, 0
+    first_key = _group.rank(group) * L - min(_group.rank(group) * L, window - 1)
+    key = gather_halo(key.transpose(1, 2), group, window - 1).transpose(1, 2)  # [B, Hkv, h+L, D]
+    value = gather_halo(value.transpose(1, 2), group, window - 1).transpose(1, 2)  # [B, Hkv, h+L, D]
+    if padding is not None:
+        padding = gather_halo(padding, group, window - 1, left_padding=first_key)  # [B, (r+1)*L]
+    return key, value, padding, first_key
+
+
+def attend(module, query, key, value, padding, first_key, window, **kwargs):
+    """The model's own mask and attention math for queries r*L .. (r+1)*L - 1 over keys from first_key.
+
+    query: [B, H, L, D]; key/value: [B, Hkv, T, D]; padding: bool, indexed by global key position.
+    """
+    plan, (B, _, L, _) = module.context_parallel, query.shape
+    mask = plan.make_mask(
+        batch_size=B,
+        q_length=L,
+        kv_length=key.shape[2],
+        q_offset=_group.rank(plan.group) * L,
+        kv_offset=first_key,
+        mask_function=causal_mask_function if window is None else sliding_window_causal_mask_function(window),
+        attention_mask=padding,
+        allow_is_causal_skip=False,  # sdpa's is_causal would align the queries with keys 0 .. L-1
+        dtype=query.dtype,
+        device=query.device,
+        config=module.config,
+    )  # [B, 1, L, T]
+    return plan.attend(module, query, key, value, mask, **kwargs)
+
+
+def check_call(module, attention_mask):
+    """The plan `parallelize` set on the module, and the mask this implementation's mask function made."""
+    if not isinstance(getattr(module, "context_parallel", None), AttentionPlan):
+        raise ValueError(
+            f"{type(module).__name__} uses attention `{IMPLEMENTATION}` but was not prepared by "
+            "torch_impl.hf.parallelize"
+        )
+    if not isinstance(attention_mask, LocalMask):
+        raise ValueError(
+            f"`{IMPLEMENTATION}` needs the mask its mask function made (the model's own create_*_mask), "
+            f"got {type(attention_mask).__name__}; custom 4-D masks cannot be split across CP ranks"
+        )
+
+
+def attention(module, query, key, value, attention_mask, **kwargs):
+    """The registered implementation: query [B, H, L, D], key/value [B, Hkv, L, D] on rank r ->
+    ([B, L, H, D], weights), equal to the single-process model's rows r*L .. (r+1)*L - 1."""
+    check_call(module, attention_mask)
+    padding, window = attention_mask
+    key, value, padding, first_key = fetch_keys(module.context_parallel.group, key, value, padding, window)
+    return attend(module, query, key, value, padding, first_key, window, **kwargs)
+
+
+AttentionInterface.register(IMPLEMENTATION, attention)
+AttentionMaskInterface.register(IMPLEMENTATION, local_mask)
+
+
+# --- hooks on the model's own modules -------------------------------------------------------------
+
+
+class Arguments:
+    """A forward's arguments by name, whether passed by position or keyword, for forward pre-hooks."""
+
+    def __init__(self, forward):
+        self.names = list(inspect.signature(forward).parameters)
+
+    def get(self, args, kwargs, name):
+        i = self.names.index(name)
+        return args[i] if i < len(args) else kwargs.get(name)
+
+    def replace(self, args, kwargs, **values):
+        """(args, kwargs) with the named arguments set to new values, where they were passed."""
+        args, kwargs = list(args), dict(kwargs)
+        for name, value in values.items():
+            i = self.names.index(name)
+            if i < len(args):
+                args[i] = value
+            else:
+                kwargs[name] = value
+        return tuple(args), kwargs
+
+
+# --- the model's inputs --------------------------------------------------------------------------
+
+
+def global_positions(group, local_len, device):
+    """[1, L]: the global positions r*L .. (r+1)*L - 1 of this rank's tokens."""
+    first = _group.rank(group) * local_len
+    return torch.arange(first, first + local_len, device=device)[None]
+
+
+class ModelInputs:
+    """A forward pre-hook on the base model: position_ids are the global positions (filled in when
+    absent, checked when given: packed sequences, whose positions restart, are refused), and a KV
+    cache that already holds tokens is refused (each rank's cache would hold its own keys only)."""
+
+    def __init__(self, module, group):
+        self.group, self.arguments = group, Arguments(module.forward)
+
+    def __call__(self, module, args, kwargs):
+        tokens = self.arguments.get(args, kwargs, "input_ids")
+        tokens = self.arguments.get(args, kwargs, "inputs_embeds") if tokens is None else tokens
+        expected = global_positions(self.group, tokens.shape[1], tokens.device)  # [1, L]
+        positions = self.arguments.get(args, kwargs, "position_ids")
+        error = self.check(module, self.arguments.get(args, kwargs, "past_key_values"), positions, expected)
+        if validation.enabled(None) and not torch.compiler.is_compiling():
+            failed = validation.failed_ranks(error is None, tokens, self.group)
+            error = error or (failed and f"`{IMPLEMENTATION}`: CP ranks {failed} rejected their inputs")
+        if error:
+            raise ValueError(error)
+        return self.arguments.replace(args, kwargs, position_ids=expected) if positions is None else None
+
+    @staticmethod
+    def check(module, cache, positions, expected):
+        """What is wrong with this rank's inputs, or None."""
+        if cache is not None and cache.get_seq_length() > 0:
+            return (
+                f"`{IMPLEMENTATION}`: {type(module).__name__} was called with a KV cache holding tokens; "
+                "generation with a cache is not supported under CP"
+            )
+        if (
+            positions is not None
+            and not torch.compiler.is_compiling()
+            and not bool((positions == expected).all())
+        ):
+            return (
+                f"`{IMPLEMENTATION}`: `position_ids` must be this rank's global positions "
+                f"{expected[0, 0].item()} .. {expected[0, -1].item()} (hf.shard_batch makes them); "
+                "packed sequences (positions that restart) are not supported"
+            )
+        return None
+
+
+# --- short convolutions ---------------------------------------------------------------------------
+
+
+class ShortConvHalo:
+    """Forward hooks giving a causal depthwise short convolution (kernel K) its K-1 preceding tokens.
+
+    Before: hidden_states [B, L, D] -> [B, h+L, D] and its 2-D padding mask -> [B, h+L] (all True
+    where the model passed none: whether a mask is passed depends on this rank's tokens, the
+    exchange must not), h = min(r*L, K-1). After: the output's first h positions are dropped.
+    """
+
+    def __init__(self, module, group):
+        self.group, self.halo_size = group, module.conv.kernel_size[0] - 1
+        self.arguments, self.received = Arguments(module.forward), 0
+
+    def before(self, module, args, kwargs):
+        x = self.arguments.get(args, kwargs, "hidden_states")  # [B, L, D]
+        mask = self.arguments.get(args, kwargs, "attention_mask")  # [B, L] or None
+        mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if mask is None else mask.bool()
+        self.received = min(_group.rank(self.group) * x.shape[1], self.halo_size)
+        return self.arguments.replace(
+            args,
+            kwargs,
+            hidden_states=gather_halo(x, self.group, self.halo_size),  # [B, h+L, D]
+            attention_mask=gather_halo(mask, self.group, self.halo_size),  # [B, h+L]
+        )
+
+    def after(self, module, args, kwargs, output):
+        return output[:, self.received :]  # [B, L, D]
+
+
+# --- parallelize ----------------------------------------------------------------------------------
+
+
+def _refuse(name, module, why):
+    return ValueError(f"torch_impl.hf.parallelize: {name or 'the model'} ({type(module).__name__}) {why}")
+
+
+def _check_configs(model):
+    """Model-wide refusals, from the model's config and its sub-models' (a catch-all after the walk)."""
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if not isinstance(config, PreTrainedConfig):
+            continue
+        if getattr(config, "is_encoder_decoder", False):
+            raise _refuse(name, module, "is an encoder-decoder model: cross attention is not supported")
+        if getattr(config, "attention_chunk_size", None):
+            raise _refuse(name, module, "uses chunked attention, which is not supported")
+        unsupported = sorted(set(getattr(config, "layer_types", None) or ()) - set(SUPPORTED_LAYER_TYPES))
+        if unsupported:
+            raise _refuse(
+                name, module, f"has layers of types {unsupported}; supported: {SUPPORTED_LAYER_TYPES}"
+            )
+
+
+def _layer_type(module):
+    """The config's type for a module that knows its layer index (e.g. 'sliding_attention'), else None."""
+    types, index = (
+        getattr(getattr(module, "config", None), "layer_types", None),
+        getattr(module, "layer_idx", None),
+    )
+    return types[index] if types and isinstance(index, int) and 0 <= index < len(types) else None
+
+
+def _kind(name, module):
+    """'attention', 'short_conv', or None for a module that mixes no tokens itself; ValueError for a
+    module that mixes them in a way CP cannot reproduce exactly."""
+    layer_type = _layer_type(module)
+    if layer_type is not None and layer_type not in SUPPORTED_LAYER_TYPES:
+        raise _refuse(name, module, f"is a {layer_type!r} layer; supported: {SUPPORTED_LAYER_TYPES}")
+    if hasattr(module, "is_causal") and hasattr(module, "config"):  # transformers' attention modules
+        if not module.is_causal or getattr(module, "is_cross_attention", False):
+            raise _refuse(
+                name, module, "is bidirectional or cross attention; only causal attention is supported"
+            )
+        return "attention"
+    if type(module).__name__ in SHORT_CONVS:
+        return "short_conv"
+    if RECURRENT.search(type(module).__name__):
+        raise _refuse(
+            name, module, "carries recurrent state along the sequence, which CP cannot split exactly"
+        )
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)):
+        raise _refuse(name, module, "is a convolution over the sequence that the adapter does not know")
+    return None
+
+
+def _attention_plan(name, module, group):
+    implementation = module.config._attn_implementation
+    if implementation == "sdpa":
+        attend = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    elif implementation == "eager":
+        attend = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if attend is None:
+            raise _refuse(name, module, "uses eager attention but its module has no eager_attention_forward")
+    else:
+        raise _refuse(
+            name,
+            module,
+            f"uses attention {implementation!r}; only 'sdpa' and 'eager' take the global query and key "
+            "offsets of a CP rank (flash kernels align causal masks bottom-right)",
+        )
+    return AttentionPlan(group, attend, ALL_MASK_ATTENTION_FUNCTIONS[implementation])
+
+
+def _plan(model, group):
+    """(attention modules with their plans, short convs): every token-mixing module, or ValueError."""
+    if not type(model)._can_set_attn_implementation():
+        raise _refuse("", model, "does not route its attention through transformers' AttentionInterface")
+    attentions, convs = [], {}
+    for name, module in model.named_modules():
+        if any(name.startswith(f"{conv}.") for conv in convs):
+            continue  # inside a short conv, which is handled whole
+        kind = _kind(name, module)
+        if kind == "attention":
+            attentions.append((module, _attention_plan(name, module, group)))
+        elif kind == "short_conv":
+            convs[name] = module
+    _check_configs(model)
+    return attentions, list(convs.values())
+
+
+def apply_attention(model, attentions):
+    """Every attention module gets its plan; the model switches to the registered implementation."""
+    for module, plan in attentions:
+        module.context_parallel = plan
+    model.set_attn_implementation(IMPLEMENTATION)
+
+
+def apply_inputs(model, group):
+    """The base model checks (and fills in) the global positions and refuses a filled KV cache."""
+    base = model.base_model
+    base.register_forward_pre_hook(ModelInputs(base, group), with_kwargs=True)
+
+
+def apply_short_conv(convs, group):
+    """Every short convolution gets the hooks that fetch its K-1 preceding tokens."""
+    for module in convs:
+        halo = ShortConvHalo(module, group)
+        module.register_forward_pre_hook(halo.before, with_kwargs=True)
+        module.register_forward_hook(halo.after, with_kwargs=True)
+
+
+def parallelize(model, group):
+    """Make a transformers causal LM context-parallel over `group`, in place; returns the model.
+
+    Every check runs before anything changes and before any communication, identically on every
+    rank: a layer that cannot be made exact raises `ValueError` naming it and why. Without CP
+    (`group` None or of size 1) the model is returned untouched.
+    """
+    group = _group.resolve_group(group)
+    if _group.world_size(group) == 1:
+        return model
+    if model.config._attn_implementation == IMPLEMENTATION:
+        raise _refuse("", model, "is already context-parallel")
+    attentions, convs = _plan(model, group)
+    apply_inputs(model, group)
+    apply_attention(model, attentions)
+    apply_short_conv(convs, group)
+    return model
+
+
+def shard_batch(batch, group):
+    """This rank's model kwargs from a global batch of [B, S] tensors.
+
+    batch: `input_ids`, optionally `attention_mask` (1: token, 0: padding) and `labels` (-100:
+    ignored), as the model takes them without CP. Returns the [B, L] shards, the global
+    `position_ids`, `use_cache=False`, and for labels: `shift_labels`, shifted over the *global*
+    sequence (the last token of shard r predicts the first of shard r+1), and `num_items_in_batch`,
+    the global count of valid shifted labels, so that the ranks' losses add up to the
+    single-process mean. With data parallelism too, set `num_items_in_batch` to the count over all
+    data-parallel batches. Without CP the batch is returned as it is (a new dict).
+    """
+    group = _group.resolve_group(group)
+    unknown = sorted(set(batch) - set(BATCH_KEYS))
+    if unknown or "input_ids" not in batch:
+        raise ValueError(
+            f"`batch` must hold input_ids and optionally {BATCH_KEYS[1:]}, got keys {sorted(batch)}"
+        )
+    n, r = _group.world_size(group), _group.rank(group)
+    B, S = batch["input_ids"].shape
+    for key, value in batch.items():
+        if tuple(value.shape) != (B, S):
+            raise ValueError(
+                f"`batch[{key!r}]` must be [B, S] = {(B, S)} like input_ids, got {tuple(value.shape)}"
+            )
+    if S % n:
+        raise ValueError(f"the sequence length S={S} must be divisible by the CP size n={n}")
+    if n == 1:
+        return dict(batch)
+    L = S // n
+    shard = slice(r * L, (r + 1) * L)
+    local = {key: value[:, shard].contiguous() for key, value in batch.items()}  # [B, L] each
+    local |= {"position_ids": global_positions(group, L, batch["input_ids"].device), "use_cache": False}
+    if "labels" in batch:
+        shifted = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)  # [B, S]: target of token t
+        local["shift_labels"] = shifted[:, shard].contiguous()  # [B, L]
+        local["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum()
+    return local
