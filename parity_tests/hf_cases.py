@@ -115,3 +115,23 @@ def other_model_unaffected(group, name, state, batch):
     hf.parallelize(model, group)
     model(**hf.shard_batch(batch, group))
     return before, other(**batch).logits.detach(), other.config._attn_implementation
+
+
+def compiled_layers(group, name, state, batch, backend):
+    """The CP model eager, then with every decoder layer compiled (fullgraph=True): both runs'
+    logits and parameter grads, to compare on the host."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    runs = []
+    for compiled in (False, True):
+        model = hf_models.build(name)
+        model.load_state_dict(state)
+        hf.parallelize(model, group)
+        if compiled:
+            for layer in model.model.layers:
+                layer.compile(backend=backend, fullgraph=True)
+        out = model(**hf.shard_batch(batch, group))
+        out.loss.backward()
+        runs.append((out.logits.detach(), {k: p.grad for k, p in model.named_parameters()}))
+    return runs

@@ -60,20 +60,21 @@ def left_padding_may_differ(group):
 
 
 def compiled_matches_eager(group, backend, functions):
-    """Each function eager vs torch.compile (fullgraph where required): outputs and gradients."""
+    """Each function eager vs torch.compile(fullgraph=True): outputs and gradients, to the bit."""
     import torch._dynamo
 
     torch._dynamo.reset()
     r = dist.get_rank(group)
     calls = {
-        "gather_sequence": (lambda x: torch_impl.gather_sequence(x, group) * 2, True),
-        "gather_metadata": (lambda x: torch_impl.gather_metadata(x.detach(), group).cumsum(1), True),
-        "gather_halo": (lambda x: torch_impl.gather_halo(x, group, 5, left_padding=1) * 2, False),
+        "gather_sequence": lambda x: torch_impl.gather_sequence(x, group) * 2,
+        "gather_metadata": lambda x: torch_impl.gather_metadata(x.detach(), group).cumsum(1),
+        "gather_metadata_bool": lambda x: torch.where(torch_impl.gather_metadata(x > 5, group), x.sum(), 0.0),
+        "gather_halo": lambda x: torch_impl.gather_halo(x, group, 5, left_padding=1) * 2,
     }
     out = {}
     for name in functions:
-        fn, fullgraph = calls[name]
-        compiled = torch.compile(fn, backend=backend, fullgraph=fullgraph)
+        fn = calls[name]
+        compiled = torch.compile(fn, backend=backend, fullgraph=True)
         for batch in (1, 2):
             results = []
             for f in (fn, compiled):

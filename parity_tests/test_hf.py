@@ -77,6 +77,31 @@ def test_train_mode_and_activation_checkpointing_give_the_same_grads(pool, name,
     assert_matches_reference(group_results, ref, "float64")
 
 
+# --- torch.compile ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("name", ["gemma3", "lfm2"])
+def test_compiled_decoder_layers_match_eager(pool, name, n, backend):
+    """Every decoder layer (Gemma 3: sliding and full attention; LFM2: short convs and attention)
+    compiled with fullgraph=True under CP. aot_eager runs the same kernels: logits to the bit,
+    gradients to 1e-12 relative (autograd may add a parameter's contributions in another order).
+    inductor generates its own kernels, and these float64 models compute their RMS norms and the
+    loss in float32: logits and gradients to 1e-5 relative (float32 rounding, a few ulps)."""
+    state, batch, *_ = reference(name, "float64")
+    (group_results,) = pool.run(
+        ("first", n), hf_cases.compiled_layers, name, state, batch, backend, timeout=300
+    )
+    rel = 1e-12 if backend == "aot_eager" else 1e-5
+    for (eager_logits, eager_grads), (logits, grads) in group_results:
+        if backend == "aot_eager":
+            assert torch.equal(logits, eager_logits)
+        assert (logits - eager_logits).abs().max() <= rel * eager_logits.abs().max()
+        for key, g in eager_grads.items():
+            assert (grads[key] - g).abs().max() <= rel * g.abs().max(), key
+
+
 # --- bytes on the wire ------------------------------------------------------------------------
 
 

@@ -31,6 +31,8 @@ WORLDS = [1, 2, 3, 4, 8]
 LOCAL_LENS = [1, 2, 5, 8]
 TRAILING = [(), (3,), (2, 3)]
 DATA = ["integer", "normal"]
+# gather_halo's two exchanges: eager p2p, and the all_to_all that runs under torch.compile
+HALO_PATHS = ["torch_impl.gather_halo", "torch_impl.halo.halo_all_to_all"]
 
 
 def round_to(a, dtype):
@@ -143,11 +145,12 @@ def halo_matrix():
             yield n, L, 1 + (i + j) % 2, TRAILING[(i + 2 * j) % 3], DTYPES[j], layout_for(n, j)
 
 
+@pytest.mark.parametrize("transport", HALO_PATHS)
 @pytest.mark.parametrize("kind", DATA)
 @pytest.mark.parametrize("n,L,batch,trailing,dtype,layout", list(halo_matrix()), ids=str)
-def test_gather_halo_parity(pool, n, L, batch, trailing, dtype, layout, kind):
+def test_gather_halo_parity(pool, n, L, batch, trailing, dtype, layout, kind, transport):
     combos = [(h, lp) for h in halo_sizes(n, L) for lp in (0, 1, 3)]
-    check_halo(pool, layout, L, batch, trailing, dtype, kind, combos, seed=n * 100 + L)
+    check_halo(pool, layout, L, batch, trailing, dtype, kind, combos, seed=n * 100 + L, transport=transport)
 
 
 # --- gather_sequence and gather_metadata ------------------------------------------------------

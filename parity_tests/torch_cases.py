@@ -103,3 +103,31 @@ def hybrid_block(group, config, batch, seq_len, pad):
     block = hb.make_block(config["dim"], config["heads"], config["kernel"], config["window"], dtype)
     inputs = hb.make_inputs(batch, seq_len, config["dim"], pad, dtype)
     return hb.cp_forward_backward(block, *inputs[:2], group, *inputs[2:])
+
+
+def halo_bytes(group, halo_sizes, L, D):
+    """Per halo size: bytes this rank received in one forward+backward of gather_halo, counted at
+    the c10d calls for the eager p2p exchange and for the all_to_all one that torch.compile traces,
+    and the TCP bytes of the compiled call (a dispatch mode cannot watch compiled code)."""
+    from torch_impl.halo import halo_all_to_all
+    from torch_impl.traffic import PayloadCounter, wire_bytes
+
+    x = torch.randn(1, L, D, requires_grad=True)
+    out = []
+    for h in halo_sizes:
+        row = {}
+        for name, fn in (("p2p", torch_impl.gather_halo), ("all_to_all", halo_all_to_all)):
+            with PayloadCounter() as counted:
+                fn(x, group, h).sum().backward()
+            row[name] = counted.received
+        compiled = torch.compile(
+            lambda x, h=h: torch_impl.gather_halo(x, group, h), backend="aot_eager", fullgraph=True
+        )
+        compiled(x).sum().backward()  # compiles
+        dist.barrier(group)
+        before = wire_bytes()[0]
+        compiled(x).sum().backward()
+        row["compiled_wire"] = wire_bytes()[0] - before
+        dist.barrier(group)
+        out.append(row)
+    return out

@@ -4,6 +4,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from torch_impl import _group, validation
 
@@ -86,6 +87,29 @@ def _halo_backward(grad, group, plan, halo_len, left_padding):
     return local.transpose(0, 1)  # [B, L, ...]
 
 
+def halo_all_to_all(x, group, halo_size, left_padding=0):
+    """gather_halo's exchange as one functional all_to_all_single: the path torch.compile traces.
+
+    Each rank sends every peer the tail that peer's halo needs and receives its own halo, with the
+    per-peer split sizes of halo_plan (zero for every pair that exchanges nothing, so the payload
+    is the same minimum). Pieces arrive in rank order, which is halo order (farthest first).
+    Backward: the all_to_all with the splits swapped returns each piece's gradient to its owner,
+    where autograd adds it onto the tail it came from. Same arguments and result as gather_halo.
+    """
+    n, r, L = _group.world_size(group), _group.rank(group), x.shape[1]
+    sends, recvs = [0] * n, [0] * n
+    for t in halo_plan(n, L, halo_size):
+        if t.src == r:
+            sends[t.dst] = t.length
+        if t.dst == r:
+            recvs[t.src] = t.length
+    xs = x.transpose(0, 1)  # [L, B, ...]
+    tails = torch.cat([xs[L - k :] for k in sends])  # [sum(sends), B, ...], one tail per peer in order
+    halo = funcol.all_to_all_single_autograd(tails, recvs, sends, group)  # [h, B, ...]
+    zeros = xs.new_zeros((left_padding, *xs.shape[1:]))  # [left_padding, B, ...]
+    return torch.cat([zeros, halo, xs]).transpose(0, 1)  # [B, left_padding + h + L, ...]
+
+
 class _GatherHalo(torch.autograd.Function):
     """Exchange only the preceding window and return its gradients to its owners.
 
@@ -134,4 +158,6 @@ def gather_halo(x, group, halo_size, left_padding=0, *, validate=None):
     validation.check("gather_halo", group, validate, x, halo_size, left_padding)
     if _group.world_size(group) == 1 and left_padding == 0:
         return x
+    if torch.compiler.is_compiling():
+        return halo_all_to_all(x, group, halo_size, left_padding)
     return _GatherHalo.apply(x, group, halo_size, left_padding)

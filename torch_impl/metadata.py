@@ -1,5 +1,7 @@
 """gather_metadata: the sequence gather for positions, masks and indexer projections, no autograd."""
 
+import torch
+
 from torch_impl import _group, validation
 from torch_impl.sequence import all_gather
 
@@ -20,4 +22,8 @@ def gather_metadata(x, group, *, validate=None):
     """
     group = _group.resolve_group(group)
     validation.check("gather_metadata", group, validate, x)
-    return all_gather(x, group)
+    if x.dtype != torch.bool or _group.world_size(group) == 1:
+        return all_gather(x, group)
+    # bool travels as bytes, compared back to bool: inductor's CPU code generator (torch 2.13) fails
+    # to compile kernels that load a collective's bool output as a mask
+    return all_gather(x.view(torch.uint8), group) != 0

@@ -13,6 +13,7 @@ Two counters, both per process:
   sees gloo only (NCCL does not use the process's sockets for the data).
 """
 
+import math
 import os
 import socket
 import stat
@@ -20,6 +21,8 @@ import struct
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _NO_PAYLOAD = {"barrier", "monitored_barrier", "wait_tensor", "_wrap_tensor_autograd"}
@@ -51,6 +54,10 @@ def _payload(name, args):
     if name == "reduce_scatter_tensor":  # functional: (input, reduce_op, group_size, group_name)
         moved = _nbytes(args[0]) * (args[2] - 1) // args[2]
         return moved, moved
+    if name == "all_to_all_single":  # functional: (input, output_split_sizes, input_split_sizes, group_name)
+        row = math.prod(args[0].shape[1:]) * args[0].element_size()  # bytes per split unit (dim 0)
+        mine = dist.get_rank(_resolve_process_group(args[3]))
+        return (sum(args[1]) - args[1][mine]) * row, (sum(args[2]) - args[2][mine]) * row
     if name == "send":
         return 0, sum(map(_nbytes, args[0]))
     if name == "recv_":

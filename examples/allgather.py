@@ -1,0 +1,43 @@
+"""The baseline CP transport, for comparison only: every attention layer all-gathers K and V.
+
+This is what torch's `context_parallel` (ring or all-gather of the whole K/V, in every attention
+layer) and NeMo's CP paths move: a sliding-window layer gathers all n*L keys and slices its window
+out of them. It is not part of the library's API. It registers one more transformers attention
+implementation that differs from torch_impl.hf's only in how keys arrive: the same checks, masks
+and attention math, so that comparisons measure the transport alone.
+
+    model = hf.parallelize(model, group)
+    model.set_attn_implementation(allgather.IMPLEMENTATION)  # back: hf.IMPLEMENTATION
+"""
+
+import torch.distributed as dist
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from torch_impl import gather_metadata, gather_sequence, hf
+
+IMPLEMENTATION = "cp_allgather"
+
+
+def fetch_keys(group, key, value, padding, window):
+    """torch_impl.hf.fetch_keys's result, from all-gathers of the whole K and V in every layer."""
+    L = key.shape[2]
+    key = gather_sequence(key.transpose(1, 2), group).transpose(1, 2)  # [B, Hkv, S, D]
+    value = gather_sequence(value.transpose(1, 2), group).transpose(1, 2)  # [B, Hkv, S, D]
+    padding = None if padding is None else gather_metadata(padding, group)  # [B, S]
+    if window is None:
+        return key, value, padding, 0
+    end = (dist.get_rank(group) + 1) * L
+    first_key = max(0, end - L - (window - 1))
+    return key[:, :, first_key:end], value[:, :, first_key:end], padding, first_key  # [B, Hkv, h+L, D]
+
+
+def attention(module, query, key, value, attention_mask, **kwargs):
+    hf.check_call(module, attention_mask)
+    padding, window = attention_mask
+    key, value, padding, first_key = fetch_keys(module.context_parallel.group, key, value, padding, window)
+    return hf.attend(module, query, key, value, padding, first_key, window, **kwargs)
+
+
+AttentionInterface.register(IMPLEMENTATION, attention)
+AttentionMaskInterface.register(IMPLEMENTATION, hf.local_mask)
