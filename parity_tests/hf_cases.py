@@ -1,5 +1,6 @@
 """What each gloo rank runs for the hf tests: a tiny transformers model made CP by torch_impl.hf."""
 
+from contextlib import nullcontext
 import os
 
 import torch
@@ -14,7 +15,9 @@ from torch_impl.traffic import PayloadCounter, tag_layers
 def cp_step(group, name, dtype, state, batch, mode="eval"):
     """One forward and backward of the CP model on this rank's shard.
 
-    mode: "eval"; "train" (model.train()); "train_ac" (train + activation checkpointing).
+    mode: "eval"; "train" (model.train()); "train_ac" (train + transformers' activation
+    checkpointing); "train_ac_compiled" (train, hf.checkpoint_kwargs() and every decoder layer
+    compiled by inductor with fullgraph=True).
     Returns logits, loss, every parameter's grad (this rank's partial sum) and, in eval mode, the
     bytes received per (direction, layer) and dtype, counted at the c10d calls.
     """
@@ -24,15 +27,19 @@ def cp_step(group, name, dtype, state, batch, mode="eval"):
     if mode == "train_ac":
         model.gradient_checkpointing_enable()
     hf.parallelize(model, group)
+    if mode == "train_ac_compiled":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=hf.checkpoint_kwargs())
+        for layer in model.model.layers:
+            layer.compile(fullgraph=True)
     local = hf.shard_batch(batch, group)
-    counter = PayloadCounter()
+    counter = PayloadCounter()  # eval only: torch.compile refuses to run under a dispatch mode
     if mode == "eval":
         tag_layers(counter, model.model.layers)
-    with counter:
+    with counter if mode == "eval" else nullcontext():
         out = model(**local)
         out.loss.backward()
     received = {}
-    for call in counter.log if mode == "eval" else ():
+    for call in counter.log:
         key = (*call.tag, str(call.dtype).removeprefix("torch."))
         received[key] = received.get(key, 0) + call.received
     grads = {key: p.grad for key, p in model.named_parameters()}

@@ -33,6 +33,7 @@ a 4-D mask).
 
 from collections.abc import Callable
 import dataclasses
+from functools import partial
 import inspect
 import re
 import sys
@@ -41,6 +42,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from transformers import AttentionInterface, PreTrainedConfig
 from transformers.masking_utils import (
     ALL_MASK_ATTENTION_FUNCTIONS,
@@ -416,6 +418,25 @@ def parallelize(model, group):
     apply_attention(model, attentions)
     apply_short_conv(convs, group)
     return model
+
+
+def _save_collectives(ctx, op, *args, **kwargs):
+    if op.namespace == "_c10d_functional":
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpoint_kwargs():
+    """Activation checkpointing that keeps the outputs of the transport's collectives instead of
+    recomputing them: `model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=
+    hf.checkpoint_kwargs())`. Required with torch.compile: recomputed inside a compiled backward,
+    a collective whose output a rank does not need (rank 0's empty halo) is dropped by the compiler
+    on that rank only, and its peers wait forever. (Eager recomputation runs every collective on
+    every rank again, in order.)"""
+    return {
+        "use_reentrant": False,
+        "context_fn": partial(create_selective_checkpoint_contexts, _save_collectives),
+    }
 
 
 def shard_batch(batch, group):
