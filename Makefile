@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-routing test parity lint bench bench-quick clean
+.PHONY: demo demo-block demo-routing test parity lint bench bench-quick bench-train clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml requirements-dev.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 -m examples.train --cp 4 --reference
+
+demo-block: $(STAMP)
 	$(PY) -m examples.demo
 
 demo-routing: $(STAMP)
@@ -32,6 +35,9 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks.cp_bench --quick
+
+bench-train: $(STAMP)
+	$(PY) -m benchmarks.train_bench
 
 clean:
 	rm -rf $(VENV) out

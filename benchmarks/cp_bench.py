@@ -39,10 +39,9 @@ about half as much as the gather itself on this VM (compare `raw` and `raw_alloc
 """
 
 import argparse
-import gc
+from contextlib import nullcontext
 import json
 import os
-import re
 import statistics
 import time
 import warnings
@@ -53,8 +52,9 @@ import torch.distributed._functional_collectives as funcol
 import torch.distributed.nn.functional as dist_nn
 
 from examples.launch import run_ranks
+from examples.memory import peak_mib, reset_peak
 from torch_impl import gather_halo, gather_sequence, halo_plan
-from torch_impl.halo import start_exchange
+from torch_impl.halo import halo_all_to_all, start_exchange
 from torch_impl.traffic import PayloadCounter, wire_bytes
 
 # --- the baselines ----------------------------------------------------------------------------
@@ -169,19 +169,11 @@ class RawHalo:
 # --- measuring on one rank --------------------------------------------------------------------
 
 
-def _status_kib(field):
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
-
-
 def peak_rise_mib(fn):
     """How far the resident set rises above its level at the start of fn()."""
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    base = _status_kib("VmRSS")
+    base = reset_peak()
     fn()
-    return (_status_kib("VmHWM") - base) / 1024
+    return peak_mib() - base
 
 
 def analytic_min_received(r, n, L, halo_size):
@@ -212,6 +204,8 @@ def variants_for(kind, x, group, halo_size, validated):
         out = {
             "torch_impl": lambda: gather_halo(x, group, halo_size),
             "validated": lambda: gather_halo(x, group, halo_size, validate=True),
+            "all_to_all": lambda: halo_all_to_all(x, group, halo_size),
+            "compiled": torch.compile(lambda: gather_halo(x, group, halo_size), fullgraph=True),
             "full_then_slice": lambda: full_then_slice(x, group, halo_size),
             "raw": RawHalo(x.detach(), group, halo_size),
         }
@@ -240,10 +234,22 @@ def warm_up_and_check(variants, cotangents, x):
             raise AssertionError(f"{name} disagrees with torch_impl")
 
 
+# glibc serves and returns large blocks by mmap, so freed tensors leave the resident set at once;
+# PyTorch's CPU allocator asks for transparent huge pages
+RANK_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": "131072",
+    "MALLOC_TRIM_THRESHOLD_": "131072",
+    "OMP_NUM_THREADS": "1",
+    "THP_MEM_ALLOC_ENABLE": "1",
+}
+COMPILED = {"compiled"}  # variants whose bytes only the TCP counter sees
+
+
 def measure(rank, world, group, cfg, reps):
     """One configuration on this rank: per variant its timings, peak memory and traffic."""
     B, L, D, halo_size = cfg["batch"], cfg["L"], cfg["D"], cfg.get("halo_size")
     kind = "sequence" if halo_size is None else "halo"
+    torch._dynamo.reset()  # each configuration compiles afresh (no recompilation limit reached)
     x = torch.randn(B, L, D, dtype=torch.float32, requires_grad=True)
     variants = variants_for(kind, x, group, halo_size, cfg.get("validated", False))
     cotangents = {name: torch.ones_like(v().detach()) for name, v in variants.items() if callable(v)}
@@ -270,12 +276,15 @@ def measure(rank, world, group, cfg, reps):
     for name in variants:
         dist.barrier(group)
         wire_before = wire_bytes()
-        with PayloadCounter() as counted:
+        counted = PayloadCounter()  # torch.compile refuses to run under a dispatch mode
+        with counted if name not in COMPILED else nullcontext():
             per[name]["peak_mib"] = peak_rise_mib(lambda name=name: run(name, "fb"))
+        if name in COMPILED:
+            counted = None
         per[name].update(
-            recv=counted.received,
-            sent=counted.sent,
-            calls=counted.calls,
+            recv=counted and counted.received,
+            sent=counted and counted.sent,
+            calls=counted and counted.calls,
             wire=wire_bytes()[0] - wire_before[0],
             min=analytic_min_received(rank, world, L, halo_size) * B * D * x.element_size(),
         )
@@ -287,6 +296,80 @@ def bench_rank(rank, world, configs, reps):
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", "(?s).*is deprecated", FutureWarning)  # the baselines, as named
     return [measure(rank, world, dist.group.WORLD, cfg, reps) for cfg in configs]
+
+
+# --- torch.compile of a Gemma 3 decoder layer under CP -------------------------------------------
+
+
+def layer_inputs(model, local):
+    """Each decoder layer's (args, kwargs) in one forward of the model."""
+    captured, handles = {}, []
+    for index, layer in enumerate(model.model.layers):
+        hook = lambda module, args, kwargs, index=index: captured.setdefault(index, (args, kwargs))  # noqa: E731
+        handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
+    with torch.no_grad():
+        model(**local)
+    for handle in handles:
+        handle.remove()
+    return captured
+
+
+def layer_rank(rank, world, cfg, reps):
+    """examples.train's Gemma 3 made CP by torch_impl.hf; for a sliding-window and a global decoder
+    layer, one forward+backward eager and compiled (inductor, fullgraph=True): per rep, the
+    slowest rank's time."""
+    from examples.train import VOCAB, build_model
+    from torch_impl import hf
+
+    torch.set_num_threads(1)
+    group, S = dist.group.WORLD, world * cfg["L"]
+    model = build_model("gemma3", S, cfg["window"], torch.float32)
+    hf.parallelize(model, group)
+    ids = torch.randint(0, VOCAB, (1, S), generator=torch.Generator().manual_seed(0))
+    inputs = layer_inputs(model, hf.shard_batch({"input_ids": ids}, group))
+    kinds = model.config.layer_types
+    times = {}
+    for kind in ("sliding_attention", "full_attention"):
+        index = kinds.index(kind)
+        layer, (args, kwargs) = model.model.layers[index], inputs[index]
+        variants = {"eager": layer, "compiled": torch.compile(layer, fullgraph=True)}
+
+        def run(fn, args=args, kwargs=kwargs):
+            x = args[0].detach().requires_grad_(True)
+            y = fn(x, *args[1:], **kwargs)
+            y.backward(torch.ones_like(y))
+
+        for fn in variants.values():
+            run(fn)  # warm-up (compiles)
+        times |= {(kind, name): [] for name in variants}
+        for _ in range(reps):
+            for name, fn in variants.items():
+                dist.barrier(group)
+                start = time.perf_counter()
+                run(fn)
+                times[(kind, name)].append(time.perf_counter() - start)
+    return times
+
+
+def layer_bench(world, cfg, reps):
+    per_rank = run_ranks(layer_rank, world, cfg, reps, timeout_s=900, env={"OMP_NUM_THREADS": "1"})
+    rows = []
+    for kind in ("sliding_attention", "full_attention"):
+        ms = {
+            name: 1000 * statistics.median(max(r[(kind, name)][i] for r in per_rank) for i in range(reps))
+            for name in ("eager", "compiled")
+        }
+        rows.append({"world": world, **cfg, "layer": kind, **{f"{k}_ms": v for k, v in ms.items()}})
+        rows[-1]["compiled_ratio"] = ms["compiled"] / ms["eager"]
+    print(
+        f"# torch.compile: a Gemma 3 decoder layer made CP (n={world}, L={cfg['L']}, window {cfg['window']})"
+    )
+    for r in rows:
+        print(
+            f"#   {r['layer']:<18} eager {r['eager_ms']:8.1f} ms  compiled {r['compiled_ms']:8.1f} ms"
+            f"  ratio {r['compiled_ratio']:.2f}"
+        )
+    return rows
 
 
 # --- the sweep --------------------------------------------------------------------------------
@@ -325,7 +408,7 @@ def summarize(world, cfg, per_rank):
                 "recv": [r[name]["recv"] for r in per_rank],
                 "min": [r[name]["min"] for r in per_rank],
                 "wire": [r[name]["wire"] for r in per_rank],
-                "calls": max(r[name]["calls"] for r in per_rank),
+                "calls": per_rank[0][name]["calls"] and max(r[name]["calls"] for r in per_rank),
             }
         )
     base = "list_cat" if cfg.get("halo_size") is None else "full_then_slice"
@@ -333,7 +416,7 @@ def summarize(world, cfg, per_rank):
     for r in rows:
         r["time_ratio"] = r["fb_ms"] / ref["fb_ms"]
         r["mem_ratio"] = r["peak_mib"] / ref["peak_mib"] if ref["peak_mib"] > 0 else float("nan")
-        r["recv_is_min"] = r["recv"] == r["min"]
+        r["recv_is_min"] = None if r["variant"] in COMPILED else r["recv"] == r["min"]
     return rows
 
 
@@ -345,11 +428,13 @@ HEADER = (
 
 def format_row(r):
     halo = "-" if r.get("halo_size") is None else str(r["halo_size"])
+    counted = r["recv_is_min"] is not None  # a compiled variant's calls are not counted, its TCP bytes are
+    recv = f"{max(r['recv']) / 2**20:.2f}" if counted else "-"
+    equal = ("yes" if r["recv_is_min"] else "no") if counted else "-"
     return (
         f"{r['world']:>5} {r['batch']:>2} {r['L']:>6} {halo:>6} {r['variant']:<16}{r['fb_ms']:>9.1f}"
         f"{r['fwd_ms']:>9.1f}{r['peak_mib']:>10.1f}{r['time_ratio']:>8.2f}{r['mem_ratio']:>8.2f}"
-        f"{max(r['recv']) / 2**20:>13.2f}{('yes' if r['recv_is_min'] else 'no'):>6}"
-        f"{max(r['wire']) / 2**20:>10.2f}{r['calls']:>6}"
+        f"{recv:>13}{equal:>6}{max(r['wire']) / 2**20:>10.2f}{r['calls'] or '-':>6}"
     )
 
 
@@ -464,6 +549,25 @@ def print_targets(rows):
         print(f"#   {'met   ' if met else 'MISSED'} {name}  {figure}")
 
 
+def print_compile(rows):
+    """gather_halo's all_to_all exchange run eagerly and under torch.compile(fullgraph=True,
+    inductor), as ratios to the eager p2p exchange of the same configuration in the same run."""
+    print("# torch.compile: gather_halo forward+backward, ratios to eager gather_halo (p2p)")
+    print(f"# {'world':>5} {'L':>6} {'halo':>6}{'all_to_all time':>17}{'compiled time':>15}{'TCP bytes':>11}")
+    for r in rows:
+        if r["variant"] != "compiled":
+            continue
+        same = {k: r[k] for k in ("world", "batch", "L", "halo_size")}
+        eager, a2a = (
+            next(x for x in rows if x["variant"] == v and all(x[k] == same[k] for k in same))
+            for v in ("torch_impl", "all_to_all")
+        )
+        print(
+            f"# {r['world']:>5} {r['L']:>6} {r['halo_size']:>6}{a2a['fb_ms'] / eager['fb_ms']:>17.2f}"
+            f"{r['fb_ms'] / eager['fb_ms']:>15.2f}{max(r['wire']) / max(max(eager['wire']), 1):>11.2f}"
+        )
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one small configuration on 2 ranks")
@@ -479,9 +583,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     reps = args.reps or (2 if args.quick else 5)
     plan = {w: c for w, c in sweep(args.quick).items() if not args.worlds or w in args.worlds}
-    env = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
-    if not args.default_allocator:
-        env["THP_MEM_ALLOC_ENABLE"] = "1"
+    env = dict(RANK_ENV)
+    if args.default_allocator:
+        del env["THP_MEM_ALLOC_ENABLE"]
     print(f"# rank environment: {env}")
     rows, started = [], time.perf_counter()
     print(HEADER)
@@ -496,13 +600,16 @@ def main(argv=None):
                 print(format_row(row), flush=True)
     print(f"# {time.perf_counter() - started:.0f}s in all", flush=True)
     print_targets(rows)
+    print_compile(rows)
+    layer_cfg = {"L": 512, "window": 128} if args.quick else {"L": 4096, "window": 512}
+    layers = layer_bench(2 if args.quick else 4, layer_cfg, reps)
     for path in (args.json, args.plot):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump(rows, f, indent=1)
+        json.dump(rows + layers, f, indent=1)
     plot(rows, args.plot)
     print(f"json: {args.json}\nplot: {args.plot}")
-    return rows
+    return rows + layers
 
 
 if __name__ == "__main__":

@@ -1,0 +1,102 @@
+"""examples.train under torchrun: DP x CP training equals one process, step by step.
+
+Each test launches real `torchrun` jobs (gloo, 4 processes on this machine, or two launchers with
+--nnodes 2 standing for two nodes) with a short sequence and few steps, and reads the job's metrics
+file. Every launch has a time limit.
+"""
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+LAUNCH_TIMEOUT_S = 240
+SMALL = ["--seq-len", "1024", "--window", "400"]  # L = 256 at CP 4: the window spans two shards
+
+
+def torchrun(args, nproc=4, launcher=("--standalone",), timeout=LAUNCH_TIMEOUT_S):
+    command = [sys.executable, "-m", "torch.distributed.run", *launcher, "--nproc-per-node", str(nproc)]
+    command += ["-m", "examples.train", *args]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc, timeout=LAUNCH_TIMEOUT_S):
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun did not finish within {timeout}s:\n{out[-3000:]}")
+    return proc.returncode, out
+
+
+def run(args, **kwargs):
+    return finish(torchrun(args, **kwargs))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--cp", "4", "--steps", "3"],
+        ["--dp", "2", "--cp", "2", "--model", "lfm2", "--ac", "--dtype", "float64", "--steps", "3"],
+    ],
+    ids=["gemma3-cp4", "lfm2-dp2-cp2-ac-float64"],
+)
+def test_training_equals_one_process(tmp_path, args):
+    metrics = tmp_path / "metrics.json"
+    code, out = run(
+        [*args, *SMALL, "--reference", "--metrics", str(metrics), "--figure", str(tmp_path / "f.png")]
+    )
+    assert code == 0 and "EQUAL: largest difference" in out, out[-3000:]
+    m = json.loads(metrics.read_text())
+    assert m["losses"].keys() == m["reference_losses"].keys() == {"1", "2", "3"}
+    assert (tmp_path / "f.png").stat().st_size > 10_000
+    ours, base = m["received_per_layer"]["torch_impl"], m["received_per_layer"]["allgather"]
+    assert len(ours) == 4  # per rank, per layer: never more than the all-gather of K and V
+    assert all(a <= b for rank in zip(ours, base, strict=True) for a, b in zip(*rank, strict=True))
+    if "lfm2" not in args:  # Gemma 3's sliding layers: less in all
+        assert sum(map(sum, ours)) < sum(map(sum, base))
+
+
+def test_compiled_layers_with_activation_checkpointing_train():
+    code, out = run(["--cp", "2", "--compile", "--ac", "--steps", "2", *SMALL, "--reference"], nproc=2)
+    assert code == 0 and "Applied torch.compile(fullgraph=True)" in out and "EQUAL" in out, out[-3000:]
+
+
+def test_a_difference_over_the_tolerance_fails_the_job():
+    code, out = run(["--cp", "4", "--steps", "3", *SMALL, "--reference", "--tolerance", "0"])
+    assert code != 0 and "DIFFERENT: largest difference" in out, out[-3000:]
+
+
+def test_resume_continues_exactly(tmp_path):
+    """Steps 1-2 saved, then resumed to step 4: the losses of an uninterrupted run, to the bit."""
+    common = ["--dp", "2", "--cp", "2", *SMALL]
+    save = ["--save-dir", str(tmp_path / "ckpt")]
+    runs = {
+        "full": ["--steps", "4"],
+        "first": ["--steps", "2", *save, "--save-every", "2"],
+        "resumed": ["--steps", "4", *save, "--resume"],
+    }
+    losses = {}
+    for name, args in runs.items():
+        metrics = tmp_path / f"{name}.json"
+        code, out = run([*common, *args, "--metrics", str(metrics)])
+        assert code == 0, out[-3000:]
+        losses[name] = json.loads(metrics.read_text())["losses"]
+    assert "Resumed from" in out and "after step 2" in out
+    assert losses["first"] | losses["resumed"] == losses["full"]
+
+
+def test_two_nodes_on_one_machine(tmp_path):
+    """Two torchrun launchers with --nnodes 2 and a c10d rendezvous on 127.0.0.1: dp 2 x cp 2."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}")
+    args = ["--dp", "2", "--cp", "2", "--steps", "4", *SMALL, "--reference"]
+    nodes = [torchrun(args, nproc=2, launcher=launcher) for _ in range(2)]
+    results = [finish(node) for node in nodes]
+    assert all(code == 0 for code, _ in results), [out[-2000:] for _, out in results]
+    assert sum("EQUAL: largest difference" in out for _, out in results) == 1  # global rank 0's node
