@@ -46,6 +46,7 @@ What it does, in order:
 """
 
 import argparse
+import gc
 import json
 import os
 from pathlib import Path
@@ -320,14 +321,16 @@ def progress(total, done):
 
 
 def print_transport(report, layer_types, n):
-    log(f"\nBytes each rank receives per step (forward+backward), per layer, the largest over the {n} ranks:")
-    log(f"{'layer':>5}  {'kind':<18}{'torch_impl':>14}{'all-gather K/V':>16}{'ratio':>8}")
+    print(
+        f"\nBytes each rank receives per step (forward+backward), per layer, the largest over the {n} ranks:"
+    )
+    print(f"{'layer':>5}  {'kind':<18}{'torch_impl':>14}{'all-gather K/V':>16}{'ratio':>8}")
     ours, base = (report[t] for t in ("torch_impl", "allgather"))
     for i, kind in enumerate(layer_types):
         a, b = max(r[i] for r in ours), max(r[i] for r in base)
-        log(f"{i:>5}  {kind:<18}{a:>14,}{b:>16,}{a / b if b else float('nan'):>8.3f}")
+        print(f"{i:>5}  {kind:<18}{a:>14,}{b:>16,}{a / b if b else float('nan'):>8.3f}")
     a, b = max(sum(r) for r in ours), max(sum(r) for r in base)
-    log(f"{'step':>5}  {'all layers':<18}{a:>14,}{b:>16,}{a / b:>8.3f}")
+    print(f"{'step':>5}  {'all layers':<18}{a:>14,}{b:>16,}{a / b:>8.3f}")
 
 
 def draw_losses(cp, one, path):
@@ -398,13 +401,12 @@ def main(argv=None):
     started = time.perf_counter()
     losses, times, peak, transport, params = train_cp(args, mesh, corpus, device)
     elapsed = time.perf_counter() - started
-    peaks = [None] * world
-    dist.all_gather_object(peaks, (peak, transport))
-    status = 0
-    if dist.get_rank() == 0:
-        status = report(args, corpus, device, losses, times, elapsed, peaks, params)
-    dist.destroy_process_group()
-    return status
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, (peak, transport))
+    rank = dist.get_rank()
+    gc.collect()  # the FSDP model's reference cycles, with any gloo work they hold, while gloo is up
+    dist.destroy_process_group()  # every rank at once; the report and the reference are one process's
+    return report(args, corpus, device, losses, times, elapsed, per_rank, params) if rank == 0 else 0
 
 
 def report(args, corpus, device, losses, times, elapsed, per_rank, params):

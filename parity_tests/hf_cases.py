@@ -39,8 +39,9 @@ def cp_step(group, name, dtype, state, batch, mode="eval"):
         out = model(**local)
         out.loss.backward()
     received = {}
-    for call in counter.log:
-        key = (*call.tag, str(call.dtype).removeprefix("torch."))
+    for call in counter.log:  # padding masks travel as bool (halos) or as their bytes (gathers)
+        dtype = "mask" if call.dtype in (torch.bool, torch.uint8) else str(call.dtype).removeprefix("torch.")
+        key = (*call.tag, dtype)
         received[key] = received.get(key, 0) + call.received
     grads = {key: p.grad for key, p in model.named_parameters()}
     return {"logits": out.logits.detach(), "loss": out.loss.detach(), "grads": grads, "received": received}

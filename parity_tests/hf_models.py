@@ -40,6 +40,9 @@ def _configs():
                 final_logit_softcapping=30.0,
             )
         ),
+        "gemma2": lambda: tf.Gemma2ForCausalLM(  # attention logit soft-capping: eager attention
+            tf.Gemma2Config(**_small(num_hidden_layers=2, sliding_window=10, query_pre_attn_scalar=16))
+        ),
         "mistral": lambda: tf.MistralForCausalLM(
             tf.MistralConfig(**_small(num_hidden_layers=2, sliding_window=14))
         ),
@@ -78,7 +81,7 @@ def _configs():
     }
 
 
-SUPPORTED = ("gemma3", "mistral", "lfm2", "llama", "gpt_oss")
+SUPPORTED = ("gemma3", "gemma2", "mistral", "lfm2", "llama", "gpt_oss")
 REFUSED = {  # model -> what the error names
     "qwen3_next": "model.layers.0.linear_attn (Qwen3NextGatedDeltaNet) carries recurrent state",
     "mamba": "(MambaForCausalLM) carries recurrent state",

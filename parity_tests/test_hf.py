@@ -57,9 +57,12 @@ def assert_matches_reference(results, ref, dtype, rel=None):
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("name", hf_models.SUPPORTED)
 def test_cp_model_equals_one_process_float64(pool, name, n):
+    """Gemma 2's eager attention takes its softmax in float32 whatever the dtype (and sums a row of
+    S/n + halo keys instead of S): its logits agree to float32 rounding, 1e-6."""
     ref = reference(name, "float64")
+    rel = 1e-6 if name == "gemma2" else None
     for group_results in pool.run(("block", n), hf_cases.cp_step, name, "float64", ref[0], ref[1]):
-        assert_matches_reference(group_results, ref, "float64")
+        assert_matches_reference(group_results, ref, "float64", rel=rel)
 
 
 @pytest.mark.parametrize("name", ["gemma3", "lfm2"])
@@ -139,8 +142,8 @@ def minimum_bytes(kind, size, r, n, L, B, config, item):
     """{(direction, dtype): bytes} rank r must receive for one layer: the analytic minimum.
 
     Attention: K and V, each over (n-1)*L tokens (full) or its halo of min(r*L, W-1) tokens
-    (sliding); forward also the bool padding mask over the same tokens (1 byte each). Conv: its
-    input over its halo of min(r*L, K-1) tokens, and forward its bool padding mask. Backward a rank
+    (sliding); forward also the padding mask over the same tokens (1 byte each). Conv: its
+    input over its halo of min(r*L, K-1) tokens, and forward its padding mask. Backward a rank
     receives the gradients of what it sent: (n-1)*L tokens (full) or its own tokens in later
     ranks' halos.
     """
@@ -156,7 +159,7 @@ def minimum_bytes(kind, size, r, n, L, B, config, item):
     dtype = "float64" if item == 8 else "float32"
     wanted = {
         ("forward", dtype): B * received * per_token,
-        ("forward", "bool"): B * received,
+        ("forward", "mask"): B * received,
         ("backward", dtype): B * sent * per_token,
     }
     return {key: value for key, value in wanted.items() if value}
