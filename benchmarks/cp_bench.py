@@ -9,6 +9,9 @@ Variants (implemented below, named as in the table):
   funcol            _functional_collectives.all_gather_tensor_autograd(gather_dim=1)
   dtensor           DTensor Shard(1) -> Replicate() redistribute; to_local(grad_placements=[Partial()])
                     so that its backward sums the ranks' gradients (reduce-scatter), as CP needs
+  all_to_all        gather_halo's traceable exchange (one functional all_to_all_single), run eagerly
+  compiled          gather_halo under torch.compile(fullgraph=True, inductor): that exchange, traced;
+                    a dispatch mode cannot watch compiled code, so only its TCP bytes are counted
   full_then_slice   list_cat, then the halo window sliced out
   neighbour_ring    every rank receives its previous rank's whole shard (p2p) and concatenates;
                     valid only for halo_size <= L
@@ -31,6 +34,10 @@ Per configuration and variant, interleaving variants within each repetition:
                     (torch_impl.traffic.PayloadCounter), and the analytic minimum
   wire              bytes the rank's TCP sockets received (gloo's algorithm and headers included)
   calls             c10d calls per forward+backward
+
+Then one Gemma 3 decoder layer made CP by torch_impl.hf (examples.train's model; a sliding-window
+and a global layer), forward+backward, eager vs compiled (inductor, fullgraph=True), per repetition
+the slowest rank, median.
 
 Environment of the ranks: one thread each; PyTorch's CPU allocator asked for transparent huge pages
 (THP_MEM_ALLOC_ENABLE=1, PyTorch's own setting for CPU workloads) for every variant alike;

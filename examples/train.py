@@ -2,6 +2,8 @@
 
     torchrun --standalone --nproc-per-node 4 -m examples.train --cp 4 --reference
     torchrun ... -m examples.train --dp D --cp C --steps N --seq-len S --model {gemma3,lfm2} [--reference]
+    two nodes: on each, torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \
+                   --rdzv-endpoint HOST:PORT -m examples.train --dp 2 --cp 2 ...
 
 What it does, in order:
 1. Process group (gloo on CPU; NCCL with one GPU per rank when CUDA is available) and the mesh
@@ -11,7 +13,8 @@ What it does, in order:
    more than one CP shard; `lfm2` is LFM2's short convolutions with global attention. Vocabulary
    256: the tokens are bytes.
 3. Parallelized in torchtitan's order: CP (`hf.parallelize(model, mesh["cp"])`), activation
-   checkpointing (`--ac`), per-layer `torch.compile(fullgraph=True)` (`--compile`), FSDP2.
+   checkpointing (`--ac`, with `hf.checkpoint_kwargs()`), per-layer
+   `torch.compile(fullgraph=True)` (`--compile`), FSDP2.
    FSDP2 (`fully_shard`) shards every decoder layer and the root over the flattened dp x cp mesh,
    with gradient divide factor 1: each rank's loss is already its share of the global mean
    (`num_items_in_batch` counts the valid labels of all DP batches), so the summed gradients are
@@ -29,8 +32,9 @@ What it does, in order:
    trains with it instead).
 7. `--reference`: rank 0 then trains the same model from the same seed on the same data in one
    process (the D batches as one batch, no CP) and prints per step both losses and their
-   difference, peak resident memory per rank, tokens/s, bytes per step, and the figure
-   out/loss_curves.png. Exit status 1 if any step's losses differ by more than the tolerance:
+   difference, how far apart the trained parameters ended, peak resident memory per rank,
+   tokens/s, bytes per step, and the figure out/loss_curves.png. Exit status 1 if any step's
+   losses differ by more than the tolerance:
 
    Tolerance. transformers computes the loss in float32 whatever the model's dtype
    (`ForCausalLMLoss` upcasts the logits with `.float()`), and Gemma 3's and LFM2's RMS norms
@@ -41,8 +45,8 @@ What it does, in order:
    the whole model rounds, differently in the two runs (attention sums in another order), and
    AdamW amplifies early rounding differences (its first updates are lr * g/|g|: a gradient
    component near zero whose rounding differs moves its parameter by up to a full lr in the other
-   direction); measured at most 1.1e-6 on the loss and 7e-5 relative on the parameters over
-   20 steps; 1e-4 leaves a margin for longer runs and other meshes.
+   direction); measured here: at most 1.1e-6 on the loss over 20 steps, parameters apart by about
+   1e-4 of their tensor's largest entry; 1e-4 on the loss leaves a margin for longer runs.
 """
 
 import argparse
@@ -333,21 +337,32 @@ def print_transport(report, layer_types, n):
     print(f"{'step':>5}  {'all layers':<18}{a:>14,}{b:>16,}{a / b:>8.3f}")
 
 
-def draw_losses(cp, one, path):
+def draw_losses(cp, one, tolerance, path):
+    """The two loss curves overlaid, and their difference (steps where they are equal: x at the floor)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     steps = sorted(cp)
+    diff = [abs(cp[s] - one[s]) for s in steps]
+    floor = min([d for d in diff if d > 0] + [tolerance]) / 10
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True, height_ratios=(3, 2))
     top.plot(steps, [one[s] for s in steps], "-", lw=3, alpha=0.5, label="1 process")
     top.plot(steps, [cp[s] for s in steps], "--", color="k", lw=1, label="DP x CP")
     top.set_ylabel("loss")
     top.legend()
-    bottom.semilogy(steps, [max(abs(cp[s] - one[s]), 1e-17) for s in steps], "o-", ms=3)
-    bottom.set_ylabel("|difference|")
+    differ = [(s, d) for s, d in zip(steps, diff, strict=True) if d]
+    equal = [s for s, d in zip(steps, diff, strict=True) if not d]
+    if differ:
+        bottom.semilogy(*zip(*differ, strict=True), "o", ms=4, label="|difference|")
+    bottom.semilogy(equal, [floor] * len(equal), "x", label="equal")
+    bottom.axhline(tolerance, color="r", ls="--", lw=1, label="tolerance")
+    bottom.set_ylim(floor / 2, tolerance * 5)
     bottom.set_xlabel("step")
+    bottom.legend(fontsize=7, ncol=3, loc="upper right")
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -431,8 +446,9 @@ def report(args, corpus, device, losses, times, elapsed, per_rank, params):
     }
     status = 0
     if args.reference:
+        rows = args.dp * args.batch
         print(
-            f"\n[reference] the same model, seed and data in one process, {args.dp * args.batch} rows a step"
+            f"\n[reference] the same model, seed and data, one process: {rows} x {args.seq_len} tokens a step"
         )
         one, one_params = train_reference(args, corpus, device, set(losses))
         tolerance = TOLERANCE[args.dtype] if args.tolerance is None else args.tolerance
@@ -445,7 +461,7 @@ def report(args, corpus, device, losses, times, elapsed, per_rank, params):
         drift = max(((params[k] - p.cpu()).abs().max() / p.abs().max()).item() for k, p in one_params.items())
         print(f"trained parameters: largest difference {drift:.3e}, relative to each tensor's largest entry")
         metrics["parameter_difference"] = drift
-        draw_losses(losses, one, args.figure)
+        draw_losses(losses, one, tolerance, args.figure)
         print(f"figure: {args.figure}")
         metrics["reference_losses"] = one
         status = 0 if worst <= tolerance else 1

@@ -259,3 +259,19 @@ def test_both_halo_exchanges_receive_the_analytic_minimum(pool):
             tokens = sum(t.length for t in plan if t.dst == r) + sum(t.length for t in plan if t.src == r)
             assert row["p2p"] == row["all_to_all"] == tokens * D * 4, (r, h, row)
             assert tokens * D * 4 <= row["compiled_wire"] <= tokens * D * 4 + 1024 * (n - 1), (r, h, row)
+
+
+def test_public_names():
+    """`__all__` lists the public API; the autograd Functions stay importable under their names."""
+    assert torch_impl.__all__ == [
+        "Transfer",
+        "gather_halo",
+        "gather_metadata",
+        "gather_sequence",
+        "halo_plan",
+    ]
+    from torch_impl import _GatherHalo, _GatherSequence
+
+    assert issubclass(_GatherHalo, torch.autograd.Function) and issubclass(
+        _GatherSequence, torch.autograd.Function
+    )

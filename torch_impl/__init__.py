@@ -7,21 +7,19 @@ x: [batch, L, ...] with the global tokens [r*L, (r+1)*L).
 |-------------------|---------------------------------|------------------------------------------|
 | `gather_sequence` | all_gather_single, one buffer   | reduce_scatter_single                    |
 | `gather_halo`     | p2p: only the preceding window  | p2p back to the owners, added            |
+|                   | (compiled: one all_to_all)      | (compiled: the reverse all_to_all)       |
 | `gather_metadata` | all_gather_single               | none (inputs must not require grad)      |
 
-`jax_reference` defines these semantics; the parity suite checks this package against it.
+`jax_reference` defines these semantics; the parity suite checks this package against it. The
+autograd Functions `_GatherHalo` and `_GatherSequence` (the names of the API page) are importable
+from here but not public. `torch_impl.hf` makes Hugging Face transformers models context-parallel
+(needs the `[hf]` extra); `torch_impl.traffic` counts the bytes a rank moves.
 """
 
-from torch_impl.halo import Transfer, _GatherHalo, gather_halo, halo_plan
+from torch_impl.halo import Transfer, gather_halo, halo_plan
+from torch_impl.halo import _GatherHalo as _GatherHalo  # importable, not public
 from torch_impl.metadata import gather_metadata
-from torch_impl.sequence import _GatherSequence, gather_sequence
+from torch_impl.sequence import _GatherSequence as _GatherSequence  # importable, not public
+from torch_impl.sequence import gather_sequence
 
-__all__ = [
-    "Transfer",
-    "_GatherHalo",
-    "_GatherSequence",
-    "gather_halo",
-    "gather_metadata",
-    "gather_sequence",
-    "halo_plan",
-]
+__all__ = ["Transfer", "gather_halo", "gather_metadata", "gather_sequence", "halo_plan"]

@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from transformers import AttentionInterface, PreTrainedConfig
@@ -76,7 +77,7 @@ class LocalMask(NamedTuple):
 class AttentionPlan:
     """Set on each attention module by `parallelize`: its CP group and the model's own math."""
 
-    group: object  # torch.distributed.ProcessGroup
+    group: dist.ProcessGroup
     attend: Callable  # (module, q, k, v, mask, **kwargs) -> (out [B, L, H, D], weights)
     make_mask: Callable  # transformers' mask function for `attend` (sdpa_mask or eager_mask)
 
@@ -125,7 +126,8 @@ def fetch_keys(group, key, value, padding, window):
         value = gather_sequence(value.transpose(1, 2), group).transpose(1, 2)  # [B, Hkv, S, D]
         padding = None if padding is None else gather_metadata(padding, group)  # [B, S]
         return key, value, padding, 0
-    first_key = _group.rank(group) * L - min(_group.rank(group) * L, window - 1)
+    start = _group.rank(group) * L  # this rank's first token
+    first_key = start - min(start, window - 1)
     key = gather_halo(key.transpose(1, 2), group, window - 1).transpose(1, 2)  # [B, Hkv, h+L, D]
     value = gather_halo(value.transpose(1, 2), group, window - 1).transpose(1, 2)  # [B, Hkv, h+L, D]
     if padding is not None:
@@ -230,9 +232,10 @@ class ModelInputs:
         expected = global_positions(self.group, tokens.shape[1], tokens.device)  # [1, L]
         positions = self.arguments.get(args, kwargs, "position_ids")
         error = self.check(module, self.arguments.get(args, kwargs, "past_key_values"), positions, expected)
-        if validation.enabled(None) and not torch.compiler.is_compiling():
+        if validation.enabled(None) and not torch.compiler.is_compiling():  # no rank left waiting
             failed = validation.failed_ranks(error is None, tokens, self.group)
-            error = error or (failed and f"`{IMPLEMENTATION}`: CP ranks {failed} rejected their inputs")
+            if failed and error is None:
+                error = f"`{IMPLEMENTATION}`: CP ranks {failed} rejected their inputs"
         if error:
             raise ValueError(error)
         return self.arguments.replace(args, kwargs, position_ids=expected) if positions is None else None
