@@ -195,7 +195,7 @@ def analytic_min_received(r, n, L, halo_size):
     return got + lent
 
 
-def variants_for(kind, x, group, halo_size, validated):
+def variants_for(kind, x, group, halo_size, validated, backend="inductor"):
     """name -> (forward fn returning an autograd output, or a Raw* floor object)."""
     if kind == "sequence":
         out = {
@@ -212,7 +212,9 @@ def variants_for(kind, x, group, halo_size, validated):
             "torch_impl": lambda: gather_halo(x, group, halo_size),
             "validated": lambda: gather_halo(x, group, halo_size, validate=True),
             "all_to_all": lambda: halo_all_to_all(x, group, halo_size),
-            "compiled": torch.compile(lambda: gather_halo(x, group, halo_size), fullgraph=True),
+            "compiled": torch.compile(
+                lambda: gather_halo(x, group, halo_size), backend=backend, fullgraph=True
+            ),
             "full_then_slice": lambda: full_then_slice(x, group, halo_size),
             "raw": RawHalo(x.detach(), group, halo_size),
         }
@@ -258,7 +260,7 @@ def measure(rank, world, group, cfg, reps):
     kind = "sequence" if halo_size is None else "halo"
     torch._dynamo.reset()  # each configuration compiles afresh (no recompilation limit reached)
     x = torch.randn(B, L, D, dtype=torch.float32, requires_grad=True)
-    variants = variants_for(kind, x, group, halo_size, cfg.get("validated", False))
+    variants = variants_for(kind, x, group, halo_size, cfg.get("validated", False), cfg["backend"])
     cotangents = {name: torch.ones_like(v().detach()) for name, v in variants.items() if callable(v)}
     warm_up_and_check(variants, cotangents, x)
 
@@ -339,7 +341,7 @@ def layer_rank(rank, world, cfg, reps):
     for kind in ("sliding_attention", "full_attention"):
         index = kinds.index(kind)
         layer, (args, kwargs) = model.model.layers[index], inputs[index]
-        variants = {"eager": layer, "compiled": torch.compile(layer, fullgraph=True)}
+        variants = {"eager": layer, "compiled": torch.compile(layer, backend=cfg["backend"], fullgraph=True)}
 
         def run(fn, args=args, kwargs=kwargs):
             x = args[0].detach().requires_grad_(True)
@@ -368,9 +370,8 @@ def layer_bench(world, cfg, reps):
         }
         rows.append({"world": world, **cfg, "layer": kind, **{f"{k}_ms": v for k, v in ms.items()}})
         rows[-1]["compiled_ratio"] = ms["compiled"] / ms["eager"]
-    print(
-        f"# torch.compile: a Gemma 3 decoder layer made CP (n={world}, L={cfg['L']}, window {cfg['window']})"
-    )
+    shape = f"n={world}, L={cfg['L']}, window {cfg['window']}"
+    print(f"# torch.compile ({cfg['backend']}): a Gemma 3 decoder layer made CP ({shape})")
     for r in rows:
         print(
             f"#   {r['layer']:<18} eager {r['eager_ms']:8.1f} ms  compiled {r['compiled_ms']:8.1f} ms"
@@ -383,13 +384,23 @@ def layer_bench(world, cfg, reps):
 
 
 def sweep(quick):
-    """{world: [configurations]}; each configuration is a gather (halo_size None) or a halo."""
+    """{world: [configurations]}; each configuration is a gather (halo_size None) or a halo. The
+    compiled variant uses inductor; quick mode (the test suite's smoke run) aot_eager, which
+    compiles in a fraction of the time."""
     if quick:
-        return {2: [{"batch": 1, "L": 1024, "D": 64, "halo_size": h, "validated": True} for h in (None, 256)]}
+        return {
+            2: [
+                {"batch": 1, "L": 1024, "D": 64, "halo_size": h, "validated": True, "backend": "aot_eager"}
+                for h in (None, 256)
+            ]
+        }
 
     def configs(batch, L, validated=False):
         halos = [None] + [int(f * L) for f in (1 / 8, 1 / 4, 1, 2.5)]
-        return [{"batch": batch, "L": L, "D": 512, "halo_size": h, "validated": validated} for h in halos]
+        return [
+            {"batch": batch, "L": L, "D": 512, "halo_size": h, "validated": validated, "backend": "inductor"}
+            for h in halos
+        ]
 
     # L = 16384, B = 2 and validation's cost at the target world size only: the sweep stays within
     # minutes on 2 cores
@@ -608,7 +619,8 @@ def main(argv=None):
     print(f"# {time.perf_counter() - started:.0f}s in all", flush=True)
     print_targets(rows)
     print_compile(rows)
-    layer_cfg = {"L": 512, "window": 128} if args.quick else {"L": 4096, "window": 512}
+    quick_layer = {"L": 512, "window": 128, "backend": "aot_eager"}
+    layer_cfg = quick_layer if args.quick else {"L": 4096, "window": 512, "backend": "inductor"}
     layers = layer_bench(2 if args.quick else 4, layer_cfg, reps)
     for path in (args.json, args.plot):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

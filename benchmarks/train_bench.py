@@ -40,7 +40,8 @@ def configurations(quick):
 
 def run_job(cp, per_rank, transport, steps, window, workdir):
     metrics = os.path.join(workdir, f"{cp}-{per_rank}-{transport}-{time.monotonic_ns()}.json")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cp)]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    command = [torchrun, "--standalone", "--nproc-per-node", str(cp)]
     command += ["-m", "examples.train", "--cp", str(cp), "--seq-len", str(cp * per_rank)]
     command += [
         "--window",

@@ -6,6 +6,7 @@ file. Every launch has a time limit.
 """
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -13,11 +14,13 @@ import sys
 import pytest
 
 LAUNCH_TIMEOUT_S = 240
+# the console script: `python -m torch.distributed.run` starts its workers twice as slowly here
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 SMALL = ["--seq-len", "512", "--window", "200"]  # L = 128 at CP 4: the window spans two shards
 
 
 def torchrun(args, nproc=4, launcher=("--standalone",), timeout=LAUNCH_TIMEOUT_S):
-    command = [sys.executable, "-m", "torch.distributed.run", *launcher, "--nproc-per-node", str(nproc)]
+    command = [TORCHRUN, *launcher, "--nproc-per-node", str(nproc)]
     command += ["-m", "examples.train", *args]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
