@@ -29,7 +29,8 @@ What it does, in order:
 6. Before training, one extra forward+backward per transport (not a training step) counts the
    bytes each rank receives per step, per layer, through this library and through the baseline that
    all-gathers K and V in every attention layer (examples/allgather.py; `--transport allgather`
-   trains with it instead).
+   trains with it instead). Counted without activation checkpointing: with `--ac` in eager mode
+   the backward's recomputation repeats each layer's forward exchange (compiled, it keeps them).
 7. `--reference`: rank 0 then trains the same model from the same seed on the same data in one
    process (the D batches as one batch, no CP) and prints per step both losses and their
    difference, how far apart the trained parameters ended, peak resident memory per rank,
@@ -234,13 +235,20 @@ def latest_checkpoint(directory):
     return str(found[-1]) if found else None
 
 
-def load(model, optimizer, path):
-    """Restore model and optimizer in place; returns the step the checkpoint was taken after."""
+def load(model, optimizer, path, rows_per_step):
+    """Restore model and optimizer in place; returns the step the checkpoint was taken after. Its
+    data position must be where this run's step would read next (same --dp and --batch)."""
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state, "progress": {"step": 0, "next_row": 0}}
     dcp.load(state, checkpoint_id=path)
+    step, next_row = state["progress"]["step"], state["progress"]["next_row"]
+    if next_row != step * rows_per_step:
+        raise ValueError(
+            f"{path} stopped at data row {next_row} after step {step}; this run reads {rows_per_step} rows a "
+            "step (--dp x --batch): resume with the --dp and --batch it was saved with"
+        )
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return state["progress"]["step"]
+    return step
 
 
 # --- the runs ----------------------------------------------------------------------------------
@@ -264,15 +272,15 @@ def train_cp(args, mesh, corpus, device):
         apply_compile(model)
     apply_fsdp(model, mesh)
     optimizer = make_optimizer(model, args)
+    rows_per_step = mesh["dp"].size() * args.batch
     start = 0
     if args.resume and (path := latest_checkpoint(args.save_dir)):
-        start = load(model, optimizer, path)
+        start = load(model, optimizer, path, rows_per_step)
         log(f"Resumed from {path} after step {start}")
-    tokens_per_step = mesh["dp"].size() * args.batch * args.seq_len
+    tokens_per_step = rows_per_step * args.seq_len
     losses, times = {}, []
     bar = progress(args.steps, start)
     reset_peak()  # the peak below is the training steps'
-
     for step in range(start, args.steps):
         began = time.perf_counter()
         out = model(**local_batch(corpus, step, mesh, args.batch, device))
@@ -289,7 +297,7 @@ def train_cp(args, mesh, corpus, device):
             and args.save_every
             and ((step + 1) % args.save_every == 0 or step + 1 == args.steps)
         ):
-            save(model, optimizer, step + 1, (step + 1) * mesh["dp"].size() * args.batch, args.save_dir)
+            save(model, optimizer, step + 1, (step + 1) * rows_per_step, args.save_dir)
     bar.close()
     peak = peak_mib()
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
