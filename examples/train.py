@@ -77,6 +77,7 @@ from torch_impl import hf
 from torch_impl.traffic import PayloadCounter, tag_layers
 
 TOLERANCE = {"float64": 2e-6, "float32": 1e-4}
+IMPLEMENTATIONS = {"torch_impl": hf.IMPLEMENTATION, "allgather": allgather.IMPLEMENTATION}  # --transport
 VOCAB = 256
 
 
@@ -144,8 +145,7 @@ class Corpus:
 
 def apply_cp(model, mesh, transport):
     hf.parallelize(model, mesh["cp"])
-    if transport == "allgather":
-        model.set_attn_implementation(allgather.IMPLEMENTATION)
+    model.set_attn_implementation(IMPLEMENTATIONS[transport])
     log(f"Applied CP over {mesh['cp'].size()} ranks ({transport})")
 
 
@@ -189,12 +189,11 @@ def local_batch(corpus, step, mesh, batch_size, device):
 
 def measure_transport(model, local, transports):
     """Per transport: the bytes this rank receives in one forward+backward, per decoder layer
-    (forward and backward added), counted at the c10d calls. Not a training step: grads are dropped."""
-    report = {}
+    (forward and backward added), counted at the c10d calls. Not a training step: grads are dropped,
+    and the model keeps its transport."""
+    report, chosen = {}, model.config._attn_implementation
     for transport in transports:
-        model.set_attn_implementation(
-            hf.IMPLEMENTATION if transport == "torch_impl" else allgather.IMPLEMENTATION
-        )
+        model.set_attn_implementation(IMPLEMENTATIONS[transport])
         counter = PayloadCounter()
         handles = tag_layers(counter, model.model.layers)
         with counter:
@@ -206,6 +205,7 @@ def measure_transport(model, local, transports):
             per_layer[call.tag[1]] += call.received
         report[transport] = per_layer
         model.zero_grad(set_to_none=True)
+    model.set_attn_implementation(chosen)
     return report
 
 
@@ -261,11 +261,7 @@ def train_cp(args, mesh, corpus, device):
     dtype = getattr(torch, args.dtype)
     model = build_model(args.model, args.seq_len, args.window, dtype, args.seed).to(device)
     apply_cp(model, mesh, args.transport)
-    first = local_batch(corpus, 0, mesh, args.batch, device)
-    transport = measure_transport(model, first, ("torch_impl", "allgather"))
-    model.set_attn_implementation(
-        hf.IMPLEMENTATION if args.transport == "torch_impl" else allgather.IMPLEMENTATION
-    )
+    transport = measure_transport(model, local_batch(corpus, 0, mesh, args.batch, device), IMPLEMENTATIONS)
     if args.ac:
         apply_ac(model)
     if args.compile:
@@ -392,7 +388,7 @@ def parse(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ac", action="store_true", help="activation checkpointing")
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (fullgraph)")
-    p.add_argument("--transport", choices=("torch_impl", "allgather"), default="torch_impl")
+    p.add_argument("--transport", choices=tuple(IMPLEMENTATIONS), default="torch_impl")
     p.add_argument("--reference", action="store_true", help="then train on one process and compare")
     p.add_argument("--tolerance", type=float, default=None, help="override the dtype's tolerance")
     p.add_argument("--save-dir", default=None)

@@ -22,8 +22,8 @@ def gather_metadata(x, group, *, validate=None):
     """
     group = _group.resolve_group(group)
     validation.check("gather_metadata", group, validate, x)
-    if x.dtype != torch.bool or _group.world_size(group) == 1:
-        return all_gather(x, group)
-    # bool travels as bytes, compared back to bool: inductor's CPU code generator (torch 2.13) fails
-    # to compile kernels that load a collective's bool output as a mask
-    return all_gather(x.view(torch.uint8), group) != 0
+    if x.dtype == torch.bool and _group.world_size(group) > 1 and torch.compiler.is_compiling():
+        # compiled, bool travels as bytes, compared back to bool: inductor's CPU code generator
+        # (torch 2.13) fails on kernels that load a collective's bool output as a mask
+        return all_gather(x.view(torch.uint8), group) != 0
+    return all_gather(x, group)
