@@ -5,6 +5,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from transformers import DynamicCache
 
 from parity_tests import hf_models
 import torch_impl
@@ -18,8 +19,10 @@ def cp_step(group, name, dtype, state, batch, mode="eval"):
     mode: "eval"; "train" (model.train()); "train_ac" (train + transformers' activation
     checkpointing); "train_ac_compiled" (train, hf.checkpoint_kwargs() and every decoder layer
     compiled by inductor with fullgraph=True).
-    Returns logits, loss, every parameter's grad (this rank's partial sum) and, in eval mode, the
-    bytes received per (direction, layer) and dtype, counted at the c10d calls.
+    Returns logits, loss, every parameter's grad (this rank's partial sum), which math each
+    attention layer took (`paths`: None for torch_impl.attention, else why it kept the dense mask)
+    and how many calls reached torch_impl.attention, and in eval mode the bytes received per
+    (direction, layer) and dtype, counted at the c10d calls.
     """
     model = hf_models.build(name, getattr(torch, dtype))
     model.load_state_dict(state)
@@ -35,7 +38,9 @@ def cp_step(group, name, dtype, state, batch, mode="eval"):
     counter = PayloadCounter()  # eval only: torch.compile refuses to run under a dispatch mode
     if mode == "eval":
         tag_layers(counter, model.model.layers)
-    with counter if mode == "eval" else nullcontext():
+        counter.tag = ("forward", "inputs")  # before the first layer: the model's inputs (positions)
+    fused = CallCounter(hf, "causal_attention")
+    with fused, counter if mode == "eval" else nullcontext():
         out = model(**local)
         out.loss.backward()
     received = {}
@@ -44,7 +49,36 @@ def cp_step(group, name, dtype, state, batch, mode="eval"):
         key = (*call.tag, dtype)
         received[key] = received.get(key, 0) + call.received
     grads = {key: p.grad for key, p in model.named_parameters()}
-    return {"logits": out.logits.detach(), "loss": out.loss.detach(), "grads": grads, "received": received}
+    paths = [m.context_parallel.dense for m in model.modules() if hasattr(m, "context_parallel")]
+    return {
+        "logits": out.logits.detach(),
+        "loss": out.loss.detach(),
+        "grads": grads,
+        "received": received,
+        "paths": paths,
+        "fused_calls": fused.calls,
+    }
+
+
+class CallCounter:
+    """with CallCounter(module, name): counts the calls of module.name (restored afterwards)."""
+
+    def __init__(self, module, name):
+        self.module, self.name, self.calls = module, name, 0
+
+    def __enter__(self):
+        original = getattr(self.module, self.name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        self.original = original
+        setattr(self.module, self.name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(self.module, self.name, self.original)
 
 
 def refuse(group, name):
@@ -68,12 +102,18 @@ def unsupported_call(group, name, state, batch, call):
     hf.parallelize(model, group)
     local = hf.shard_batch(batch, group)
     if call == "kv_cache":  # a decode step after a prefill: the cache holds this rank's keys only
-        prefill = model(**{k: local[k] for k in ("input_ids", "position_ids")}, use_cache=True)
-        kwargs = {"input_ids": local["input_ids"][:, -1:], "position_ids": local["position_ids"][:, -1:] + 1}
+        prefill = model(input_ids=local["input_ids"], use_cache=True)
+        position = (dist.get_rank(group) + 1) * local["input_ids"].shape[1]
+        kwargs = {"input_ids": local["input_ids"][:, -1:], "position_ids": torch.tensor([[position]])}
         kwargs |= {"past_key_values": prefill.past_key_values, "use_cache": True}
-    elif call == "packed_positions":  # two documents per row: positions restart at S/2 (on rank 1 of 2)
-        positions = local["position_ids"] % (hf_models.SEQ_LEN // 2)
-        kwargs = {"input_ids": local["input_ids"], "position_ids": positions, "use_cache": False}
+    elif call == "cache_on_rank_1":  # only rank 1 passes a cache that holds tokens
+        kwargs = {"input_ids": local["input_ids"]}
+        if dist.get_rank(group) == 1:
+            cache = DynamicCache(config=model.config)
+            cache.update(
+                torch.zeros(2, 2, 3, 8, dtype=torch.float64), torch.zeros(2, 2, 3, 8, dtype=torch.float64), 0
+            )
+            kwargs["past_key_values"] = cache
     elif call == "4d_mask":
         L = local["input_ids"].shape[1]
         kwargs = {"input_ids": local["input_ids"], "attention_mask": torch.ones(2, 1, L, L, dtype=torch.bool)}
@@ -88,7 +128,7 @@ def unsupported_call(group, name, state, batch, call):
 
 
 def without_cp(group, name, state, batch):
-    """A group of size 1: parallelize returns the model untouched and shard_batch the batch."""
+    """A group of size 1: parallelize returns the model untouched; shard_batch's kwargs, whole."""
     model = hf_models.build(name)
     model.load_state_dict(state)
     same = hf.parallelize(model, group) is model and model.config._attn_implementation == "sdpa"
@@ -102,6 +142,10 @@ def without_cp(group, name, state, batch):
         out.loss.detach(),
         {k: p.grad for k, p in model.named_parameters()},
     )
+
+
+def local_keys(group, batch):
+    return sorted(hf.shard_batch(batch, group))
 
 
 def shard_bad_length(group):

@@ -82,6 +82,7 @@ def _configs():
 
 
 SUPPORTED = ("gemma3", "gemma2", "mistral", "lfm2", "llama", "gpt_oss")
+DENSE = {"gemma2": "attention logit soft-capping", "gpt_oss": "attention sinks"}  # the rest: fused
 REFUSED = {  # model -> what the error names
     "qwen3_next": "model.layers.0.linear_attn (Qwen3NextGatedDeltaNet) carries recurrent state",
     "mamba": "(MambaForCausalLM) carries recurrent state",
@@ -94,6 +95,19 @@ def build(name, dtype=torch.float64, seed=0):
     """The named tiny model in `dtype`, its weights drawn from `seed`."""
     torch.manual_seed(seed)
     return _configs()[name]().to(dtype)
+
+
+DOCUMENTS = ((5, 7, 12), (9, 15))  # per row: document lengths; starts 0, 5, 12 and 0, 9
+
+
+def make_packed_batch(with_mask=False, seed=2):
+    """input_ids, position_ids restarting at 0 at every document start, labels; with_mask: also an
+    all-ones attention_mask (transformers then keeps each row causal as a whole)."""
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, VOCAB, (len(DOCUMENTS), SEQ_LEN), generator=gen)
+    positions = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in DOCUMENTS])
+    batch = {"input_ids": input_ids, "position_ids": positions, "labels": input_ids.clone()}
+    return batch | ({"attention_mask": torch.ones_like(input_ids)} if with_mask else {})
 
 
 def make_batch(batch=2, seq_len=SEQ_LEN, pad=5, seed=1):

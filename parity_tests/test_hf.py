@@ -40,7 +40,7 @@ def assert_matches_reference(results, ref, dtype, rel=None):
     logits_tol, rel = TOLERANCE[dtype] if rel is None else (rel, rel)
     n = len(results)
     L = logits.shape[1] // n
-    valid = batch["attention_mask"].bool()
+    valid = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
     for r, res in enumerate(results):
         assert res["logits"].shape == (2, L, hf_models.VOCAB) and res["logits"].dtype == logits.dtype
         shard = slice(r * L, (r + 1) * L)
@@ -54,6 +54,17 @@ def assert_matches_reference(results, ref, dtype, rel=None):
         assert err <= rel, (key, err.item())
 
 
+def assert_path(results, name):
+    """Which math ran: torch_impl.attention in every attention layer (one call each, forward), or the
+    dense-mask fallback for what it does not compute (hf_models.DENSE says why)."""
+    config = hf_models.build(name).config
+    kinds = getattr(config, "layer_types", None) or ["attention"] * config.num_hidden_layers
+    attentions = sum(kind != "conv" for kind in kinds)
+    for res in results:
+        assert res["paths"] == [hf_models.DENSE.get(name)] * attentions, res["paths"]
+        assert res["fused_calls"] == (0 if name in hf_models.DENSE else attentions)
+
+
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("name", hf_models.SUPPORTED)
 def test_cp_model_equals_one_process_float64(pool, name, n):
@@ -63,6 +74,7 @@ def test_cp_model_equals_one_process_float64(pool, name, n):
     rel = 1e-6 if name == "gemma2" else None
     for group_results in pool.run(("block", n), hf_cases.cp_step, name, "float64", ref[0], ref[1]):
         assert_matches_reference(group_results, ref, "float64", rel=rel)
+        assert_path(group_results, name)
 
 
 @pytest.mark.parametrize("name", ["gemma3", "lfm2"])
@@ -89,6 +101,58 @@ def test_compiled_layers_with_activation_checkpointing(pool):
         ("first", 2), hf_cases.cp_step, "gemma3", "float64", ref[0], ref[1], "train_ac_compiled", timeout=300
     )
     assert_matches_reference(group_results, ref, "float64", rel=1e-5)  # inductor: see below
+
+
+# --- packed sequences ------------------------------------------------------------------------
+
+
+def packed_reference(name, with_mask=False):
+    """(state, batch, logits, loss, grads) of one process given packed rows: position_ids restart at
+    every document (no attention_mask: transformers isolates the documents; with one: it does not)."""
+    model = hf_models.build(name)
+    model.eval()
+    batch = hf_models.make_packed_batch(with_mask)
+    out = model(**batch, use_cache=False)
+    out.loss.backward()
+    grads = {key: p.grad for key, p in model.named_parameters()}
+    return model.state_dict(), batch, out.logits.detach(), out.loss.detach(), grads
+
+
+@pytest.mark.parametrize(
+    "name,n,with_mask",
+    [(name, n, False) for name in ("gemma3", "mistral", "llama", "lfm2") for n in (2, 4)]
+    + [("gemma2", 2, False), ("llama", 2, True)],
+)
+def test_packed_sequences_equal_one_process(pool, name, n, with_mask):
+    """hf_models.make_packed_batch's documents start mid-shard, on a shard boundary and span shards;
+    Mistral's window (14) and Gemma 3's (10) reach across document starts, which must cut them.
+    The documents reach the attention as ids made once per forward from the gathered positions
+    (Gemma 2: through its dense-mask fallback). LFM2's convolutions mix across documents, as in one
+    process. With an attention_mask, transformers keeps the whole row causal: so does CP."""
+    ref = packed_reference(name, with_mask)
+    rel = 1e-6 if name == "gemma2" else None
+    gathered = 0 if with_mask else 2 * (n - 1) * (hf_models.SEQ_LEN // n) * 8  # B rows of int64 positions
+    for group_results in pool.run(("block", n), hf_cases.cp_step, name, "float64", ref[0], ref[1]):
+        assert_matches_reference(group_results, ref, "float64", rel=rel)
+        assert_path(group_results, name)
+        for res in group_results:  # once per forward, before the layers
+            assert res["received"].get(("forward", "inputs", "int64"), 0) == gathered
+
+
+def test_packed_documents_are_isolated():
+    """The packed reference really differs from the same tokens unpacked (the test above is not
+    vacuous), and with an attention_mask transformers does not isolate the documents."""
+    _, batch, packed, *_ = packed_reference("llama")
+    _, _, masked, *_ = packed_reference("llama", with_mask=True)
+    model = hf_models.build("llama")
+    model.eval()
+    plain = model(
+        input_ids=batch["input_ids"],
+        position_ids=batch["position_ids"],
+        attention_mask=torch.ones_like(batch["input_ids"]),
+    ).logits
+    assert torch.equal(masked, plain.detach())
+    assert (packed - masked).abs().max() > 1e-3
 
 
 # --- torch.compile ----------------------------------------------------------------------------
@@ -200,7 +264,7 @@ def test_unsupported_model_raises_at_parallelize_on_every_rank(pool, name):
     "call,says",
     [
         ("kv_cache", ["KV cache"] * 2),
-        ("packed_positions", ["CP ranks [1] rejected their inputs", "packed sequences"]),
+        ("cache_on_rank_1", ["CP ranks [1] rejected their inputs", "KV cache holding tokens"]),
         ("4d_mask", ["4-D masks"] * 2),
     ],
 )
@@ -222,16 +286,26 @@ def test_shard_batch_requires_divisible_length(pool):
 
 
 def test_without_cp_the_model_is_bit_for_bit_unchanged(pool):
-    state, batch, logits, loss, grads = reference("gemma3", "float64")
+    """parallelize leaves the model untouched at n = 1, and shard_batch gives the same keys as on
+    n ranks, whole: the same logits, loss and gradients, bit for bit, as the model given them."""
+    state, batch, *_ = reference("gemma3", "float64")
     model, local = hf_models.build("gemma3"), hf.shard_batch(batch, None)
     assert hf.parallelize(model, None) is model and model.config._attn_implementation == "sdpa"
-    assert local is not batch and local.keys() == batch.keys() and all(local[k] is batch[k] for k in batch)
-    for ((same, local, got_logits, got_loss, got_grads),) in pool.run(
+    assert local.keys() == batch.keys() | {"use_cache", "shift_labels", "num_items_in_batch"}
+    assert all(torch.equal(local[k], batch[k]) for k in batch)
+    model.load_state_dict(state)
+    model.eval()
+    out = model(**local)
+    out.loss.backward()
+    assert abs(out.loss - reference("gemma3", "float64")[3]) <= 1e-12  # shift_labels: the same targets
+    for ((same, got_local, logits, loss, grads),) in pool.run(
         ("block", 1), hf_cases.without_cp, "gemma3", state, batch
     ):
-        assert same and local.keys() == batch.keys()
-        assert torch.equal(got_logits, logits) and torch.equal(got_loss, loss)
-        assert all(torch.equal(got_grads[k], g) for k, g in grads.items())
+        assert same and got_local.keys() == local.keys()
+        assert torch.equal(logits, out.logits) and torch.equal(loss, out.loss)
+        assert all(torch.equal(grads[k], p.grad) for k, p in model.named_parameters())
+    for group_results in pool.run(("block", 2), hf_cases.local_keys, batch):
+        assert group_results == [sorted(local)] * 2
 
 
 def test_another_model_in_the_process_is_unaffected(pool):

@@ -13,28 +13,31 @@ attention implementation (`config._attn_implementation = "cp_transport"`, throug
 
 | layer kind                              | forward transport (rank r)    | the math                  |
 |-----------------------------------------|-------------------------------|---------------------------|
-| full causal attention                   | K, V: gather_sequence;        | the model's own attention |
-|                                         | padding mask: gather_metadata | and mask functions (sdpa  |
-| sliding-window attention, window W      | K, V: gather_halo(W - 1);     | or eager), queries offset |
-| (a query sees W keys, itself included)  | padding mask: gather_halo     | by r*L, keys by theirs    |
+| full causal attention                   | K, V: gather_sequence;        | torch_impl.attention over |
+|                                         | padding mask: gather_metadata | the keys up to its own,   |
+| sliding-window attention, window W      | K, V: gather_halo(W - 1);     | queries at r*L, keys at   |
+| (a query sees W keys, itself included)  | padding mask: gather_halo     | their global rows         |
 | causal depthwise short conv, kernel K   | input, padding mask:          | the module's own forward; |
 | (LFM2's `Lfm2ShortConv`)                | gather_halo(K - 1)            | the halo's outputs dropped|
 
 The model decides which layers slide: its mask factory (`create_sliding_window_causal_mask`) calls
 this implementation's mask function with the window, which returns a `LocalMask` that the model
-routes to those layers. The attention and mask functions that do the math are the model's own
-(`sdpa`, or its module's `eager_attention_forward` with GQA, scaling, soft-capping, sinks and
-dropout as the model passes them), called on the gathered keys with the query rows offset by r*L.
-Whatever this cannot make exact raises `ValueError`: at `parallelize` (recurrent layers, cross or
-bidirectional attention, chunked attention, unknown sequence convolutions, flash/flex kernels),
-or at the first call (a KV cache past the first step, packed sequences or custom mask overlays,
-a 4-D mask).
+routes to those layers. The math is `torch_impl.attention.causal_attention` (fused kernels, no
+[L, T] mask), except for layers whose model math it does not reproduce (soft-capping, attention
+sinks, attention dropout): those keep the model's own mask and attention functions (`sdpa`, or its
+module's `eager_attention_forward`) on a dense [L, T] mask. Packed sequences (position_ids that
+restart, no attention_mask, no cache: when transformers isolates the documents) add document ids,
+made once per forward from the gathered positions. Whatever this cannot make exact raises
+`ValueError`: at `parallelize` (recurrent layers, cross or bidirectional attention, chunked
+attention, unknown sequence convolutions, flash/flex kernels), or at the first call (a KV cache
+past the first step, custom mask overlays, a 4-D mask).
 """
 
 from collections.abc import Callable
 import dataclasses
 from functools import partial
 import inspect
+import logging
 import re
 import sys
 from typing import NamedTuple
@@ -48,12 +51,16 @@ from transformers import AttentionInterface, PreTrainedConfig
 from transformers.masking_utils import (
     ALL_MASK_ATTENTION_FUNCTIONS,
     AttentionMaskInterface,
+    and_masks,
     causal_mask_function,
+    find_packed_sequence_indices,
+    packed_sequence_mask_function,
     sliding_window_causal_mask_function,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from torch_impl import _group, validation
+from torch_impl.attention import causal_attention
 from torch_impl.halo import gather_halo
 from torch_impl.metadata import gather_metadata
 from torch_impl.sequence import gather_sequence
@@ -63,7 +70,9 @@ SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "conv")
 SHORT_CONVS = ("Lfm2ShortConv", "Lfm2MoeShortConv")  # causal depthwise conv of in_proj's gated output
 RECURRENT = re.compile(r"Mamba|GatedDeltaNet|LinearAttention|Rwkv|RWKV|Recurrent|Retention|xLSTM|Ssm|SSM")
 IGNORE_INDEX = -100
-BATCH_KEYS = ("input_ids", "attention_mask", "labels")
+BATCH_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
+DOCUMENTS = "cp_documents"  # the kwarg that carries packed sequences' document ids to the attention
+log = logging.getLogger(__name__)
 
 
 class LocalMask(NamedTuple):
@@ -80,6 +89,7 @@ class AttentionPlan:
     group: dist.ProcessGroup
     attend: Callable  # (module, q, k, v, mask, **kwargs) -> (out [B, L, H, D], weights)
     make_mask: Callable  # transformers' mask function for `attend` (sdpa_mask or eager_mask)
+    dense: str | None  # why this layer keeps `attend` on a dense [L, T] mask; None: torch_impl.attention
 
 
 # --- the registered attention and mask functions -------------------------------------------------
@@ -103,13 +113,12 @@ def local_mask(
             f"`{IMPLEMENTATION}` cannot attend over a KV cache (generation): the model asked for "
             f"{q_length} queries over {kv_length} keys at offsets {q_offset}, {kv_offset}"
         )
-    if not allow_is_causal_skip or use_vmap:
+    if use_vmap:
         raise ValueError(
-            f"`{IMPLEMENTATION}` supports plain causal and sliding-window masks only: this model asked for "
-            "another pattern (packed sequences in position_ids, bidirectional or blockwise overlays, "
-            "an indexer, or a non-causal config)"
+            f"`{IMPLEMENTATION}` supports causal and sliding-window masks (and packed sequences) only: this "
+            "model asked for a mask overlay (bidirectional or blockwise tokens, or a non-causal config)"
         )
-    return LocalMask(attention_mask, local_size)
+    return LocalMask(attention_mask, local_size)  # packed sequences: the documents come as a kwarg
 
 
 def fetch_keys(group, key, value, padding, window):
@@ -135,19 +144,40 @@ def fetch_keys(group, key, value, padding, window):
     return key, value, padding, first_key
 
 
-def attend(module, query, key, value, padding, first_key, window, **kwargs):
-    """The model's own mask and attention math for queries r*L .. (r+1)*L - 1 over keys from first_key.
+def attend(module, query, key, value, padding, documents, first_key, window, **kwargs):
+    """The math for queries r*L .. (r+1)*L - 1 over keys from first_key: torch_impl.attention, or
+    the model's own mask and attention functions for a layer marked dense.
 
-    query: [B, H, L, D]; key/value: [B, Hkv, T, D]; padding: bool, indexed by global key position.
+    query: [B, H, L, D]; key/value: [B, Hkv, T, D] from global row first_key; padding (bool) and
+    documents (int), when given, indexed by global key position. Returns ([B, L, H, D], weights).
     """
     plan, (B, _, L, _) = module.context_parallel, query.shape
+    start = _group.rank(plan.group) * L
+    if plan.dense is None:
+        check_fused_kwargs(module, kwargs)
+        rows = slice(first_key, start + L)  # the keys up to this rank's own: [first_key, (r+1)*L)
+        out = causal_attention(
+            query,
+            key[:, :, : rows.stop - first_key],  # [B, Hkv, T', D]
+            value[:, :, : rows.stop - first_key],  # [B, Hkv, T', D]
+            start,
+            first_key,
+            window=window,
+            scale=kwargs.get("scaling"),
+            documents=None if documents is None else documents[:, rows],  # [B, T']
+            padding=None if padding is None else padding[:, rows],  # [B, T']
+        )  # [B, H, L, D]
+        return out.transpose(1, 2).contiguous(), None
+    mask_function = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+    if documents is not None:
+        mask_function = and_masks(mask_function, packed_sequence_mask_function(documents))
     mask = plan.make_mask(
         batch_size=B,
         q_length=L,
         kv_length=key.shape[2],
-        q_offset=_group.rank(plan.group) * L,
+        q_offset=start,
         kv_offset=first_key,
-        mask_function=causal_mask_function if window is None else sliding_window_causal_mask_function(window),
+        mask_function=mask_function,
         attention_mask=padding,
         allow_is_causal_skip=False,  # sdpa's is_causal would align the queries with keys 0 .. L-1
         dtype=query.dtype,
@@ -155,6 +185,22 @@ def attend(module, query, key, value, padding, first_key, window, **kwargs):
         config=module.config,
     )  # [B, 1, L, T]
     return plan.attend(module, query, key, value, mask, **kwargs)
+
+
+def check_fused_kwargs(module, kwargs):
+    """The attention arguments torch_impl.attention cannot honour (parallelize marks such layers
+    dense; a model that passes them without saying so in its config is refused here)."""
+    for name in ("softcap", "s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"`{IMPLEMENTATION}`: {type(module).__name__} passed `{name}`, which the fused attention "
+                "does not compute; torch_impl.hf.parallelize did not expect it for this model"
+            )
+    if kwargs.get("dropout", 0.0) > 0:
+        raise ValueError(
+            f"`{IMPLEMENTATION}`: {type(module).__name__} asked for attention dropout "
+            f"{kwargs['dropout']}, which the fused attention does not apply"
+        )
 
 
 def check_call(module, attention_mask):
@@ -176,8 +222,9 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     ([B, L, H, D], weights), equal to the single-process model's rows r*L .. (r+1)*L - 1."""
     check_call(module, attention_mask)
     padding, window = attention_mask
+    documents = kwargs.pop(DOCUMENTS, None)  # [B, S] for packed sequences, from ModelInputs
     key, value, padding, first_key = fetch_keys(module.context_parallel.group, key, value, padding, window)
-    return attend(module, query, key, value, padding, first_key, window, **kwargs)
+    return attend(module, query, key, value, padding, documents, first_key, window, **kwargs)
 
 
 AttentionInterface.register(IMPLEMENTATION, attention)
@@ -194,7 +241,7 @@ class Arguments:
         self.names = list(inspect.signature(forward).parameters)
 
     def get(self, args, kwargs, name):
-        i = self.names.index(name)
+        i = self.names.index(name) if name in self.names else len(args)
         return args[i] if i < len(args) else kwargs.get(name)
 
     def replace(self, args, kwargs, **values):
@@ -219,44 +266,48 @@ def global_positions(group, local_len, device):
 
 
 class ModelInputs:
-    """A forward pre-hook on the base model: position_ids are the global positions (filled in when
-    absent, checked when given: packed sequences, whose positions restart, are refused), and a KV
-    cache that already holds tokens is refused (each rank's cache would hold its own keys only)."""
+    """A forward pre-hook on the base model, for what a rank cannot see in its own tokens.
+
+    - position_ids: filled in with the global positions when absent. Given positions may restart
+      (packed sequences); where transformers then isolates the documents (no attention_mask, no
+      cache), the positions are gathered once per forward and their document ids, numbered as
+      transformers' `find_packed_sequence_indices` numbers them over the whole sequence, reach
+      every attention layer as the `cp_documents` kwarg ([B, S]; absent when nothing restarts).
+    - a KV cache that already holds tokens is refused (each rank's cache would hold its own keys).
+    """
 
     def __init__(self, module, group):
         self.group, self.arguments = group, Arguments(module.forward)
 
     def __call__(self, module, args, kwargs):
-        tokens = self.arguments.get(args, kwargs, "input_ids")
-        tokens = self.arguments.get(args, kwargs, "inputs_embeds") if tokens is None else tokens
-        expected = global_positions(self.group, tokens.shape[1], tokens.device)  # [1, L]
-        positions = self.arguments.get(args, kwargs, "position_ids")
-        error = self.check(module, self.arguments.get(args, kwargs, "past_key_values"), positions, expected)
+        argument = partial(self.arguments.get, args, kwargs)
+        tokens = argument("input_ids")
+        tokens = argument("inputs_embeds") if tokens is None else tokens
+        cache, positions = argument("past_key_values"), argument("position_ids")
+        error = self.check(module, cache)
         if validation.enabled(None) and not torch.compiler.is_compiling():  # no rank left waiting
             failed = validation.failed_ranks(error is None, tokens, self.group)
             if failed and error is None:
                 error = f"`{IMPLEMENTATION}`: CP ranks {failed} rejected their inputs"
         if error:
             raise ValueError(error)
-        return self.arguments.replace(args, kwargs, position_ids=expected) if positions is None else None
+        if positions is None:
+            return self.arguments.replace(
+                args, kwargs, position_ids=global_positions(self.group, tokens.shape[1], tokens.device)
+            )
+        if argument("attention_mask") is not None or cache is not None or argument("use_cache"):
+            return None  # transformers does not look for packed sequences then: plain causal masks
+        everywhere = gather_metadata(positions.expand(tokens.shape[0], -1).contiguous(), self.group)  # [B, S]
+        documents = find_packed_sequence_indices(everywhere)  # [B, S], or None: no position restarts
+        return None if documents is None else (args, kwargs | {DOCUMENTS: documents})
 
     @staticmethod
-    def check(module, cache, positions, expected):
+    def check(module, cache):
         """What is wrong with this rank's inputs, or None."""
         if cache is not None and cache.get_seq_length() > 0:
             return (
                 f"`{IMPLEMENTATION}`: {type(module).__name__} was called with a KV cache holding tokens; "
                 "generation with a cache is not supported under CP"
-            )
-        if (
-            positions is not None
-            and not torch.compiler.is_compiling()
-            and not bool((positions == expected).all())
-        ):
-            return (
-                f"`{IMPLEMENTATION}`: `position_ids` must be this rank's global positions "
-                f"{expected[0, 0].item()} .. {expected[0, -1].item()} (hf.shard_batch makes them); "
-                "packed sequences (positions that restart) are not supported"
             )
         return None
 
@@ -348,6 +399,18 @@ def _kind(name, module):
     return None
 
 
+def _dense_reason(module):
+    """Why a layer's math must stay the model's own on a dense mask, or None (torch_impl.attention)."""
+    config = module.config
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "attention logit soft-capping"
+    if isinstance(getattr(module, "sinks", None), torch.Tensor):
+        return "attention sinks"
+    if getattr(config, "attention_dropout", 0.0) > 0:
+        return "attention dropout"
+    return None
+
+
 def _attention_plan(name, module, group):
     implementation = module.config._attn_implementation
     if implementation == "sdpa":
@@ -363,7 +426,7 @@ def _attention_plan(name, module, group):
             f"uses attention {implementation!r}; only 'sdpa' and 'eager' take the global query and key "
             "offsets of a CP rank (flash kernels align causal masks bottom-right)",
         )
-    return AttentionPlan(group, attend, ALL_MASK_ATTENTION_FUNCTIONS[implementation])
+    return AttentionPlan(group, attend, ALL_MASK_ATTENTION_FUNCTIONS[implementation], _dense_reason(module))
 
 
 def _plan(model, group):
@@ -385,9 +448,13 @@ def _plan(model, group):
 
 def apply_attention(model, attentions):
     """Every attention module gets its plan; the model switches to the registered implementation."""
+    paths = {}
     for module, plan in attentions:
         module.context_parallel = plan
+        kind = _layer_type(module) or type(module).__name__
+        paths[kind] = "torch_impl.attention" if plan.dense is None else f"dense [L, T] mask ({plan.dense})"
     model.set_attn_implementation(IMPLEMENTATION)
+    log.info("cp_transport attention: %s", "; ".join(f"{kind}: {path}" for kind, path in paths.items()))
 
 
 def apply_inputs(model, group):
@@ -443,15 +510,16 @@ def checkpoint_kwargs():
 
 
 def shard_batch(batch, group):
-    """This rank's model kwargs from a global batch of [B, S] tensors.
+    """This rank's model kwargs from a global batch of [B, S] tensors; the same keys for every n.
 
-    batch: `input_ids`, optionally `attention_mask` (1: token, 0: padding) and `labels` (-100:
-    ignored), as the model takes them without CP. Returns the [B, L] shards, the global
-    `position_ids`, `use_cache=False`, and for labels: `shift_labels`, shifted over the *global*
-    sequence (the last token of shard r predicts the first of shard r+1), and `num_items_in_batch`,
-    the global count of valid shifted labels, so that the ranks' losses add up to the
-    single-process mean. With data parallelism too, set `num_items_in_batch` to the count over all
-    data-parallel batches. Without CP the batch is returned as it is (a new dict).
+    batch: `input_ids`, optionally `attention_mask` (1: token, 0: padding), `labels` (-100:
+    ignored) and `position_ids` (e.g. restarting at every document of a packed row), as the model
+    takes them without CP. Returns the [B, L] shards, `use_cache=False`, and for labels:
+    `shift_labels`, shifted over the *global* sequence (the last token of shard r predicts the first
+    of shard r+1), and `num_items_in_batch`, the global count of valid shifted labels, so that the
+    ranks' losses add up to the single-process mean. With data parallelism too, set
+    `num_items_in_batch` to the count over all data-parallel batches. Without CP (n = 1) the same
+    keys, with the whole sequence.
     """
     group = _group.resolve_group(group)
     unknown = sorted(set(batch) - set(BATCH_KEYS))
@@ -468,12 +536,10 @@ def shard_batch(batch, group):
             )
     if S % n:
         raise ValueError(f"the sequence length S={S} must be divisible by the CP size n={n}")
-    if n == 1:
-        return dict(batch)
     L = S // n
     shard = slice(r * L, (r + 1) * L)
     local = {key: value[:, shard].contiguous() for key, value in batch.items()}  # [B, L] each
-    local |= {"position_ids": global_positions(group, L, batch["input_ids"].device), "use_cache": False}
+    local["use_cache"] = False
     if "labels" in batch:
         shifted = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)  # [B, S]: target of token t
         local["shift_labels"] = shifted[:, shard].contiguous()  # [B, L]

@@ -1,0 +1,202 @@
+"""torch_impl.attention: one rank's causal attention, against a brute-force statement of the rule.
+
+A rank's queries sit at global rows q_start .. q_start + L - 1 and its keys at k_start .. q_start +
+L - 1 (a halo, or a gathered prefix, followed by its own rows). The brute force builds the dense
+[L, T] visibility matrix from the rule itself (k <= q, q - k < window, same document, key not
+padding), takes the float64 softmax, and gives zeros to a query that sees nothing. Inputs are
+small integers, so every score is exact and only the softmax rounds: outputs and gradients agree
+to 1e-12. Small tile sizes force many tiles (diagonal, full, banded and masked ones, merged by
+log-sum-exp) at small shapes.
+"""
+
+import math
+
+import pytest
+import torch
+
+from torch_impl import attention
+
+# (L, halo h, window, B, H, Hkv, documents, padding): a window spans the halo of 1-3 "shards" of L
+CASES = [
+    (24, 0, None, 2, 4, 2, False, False),  # rank 0 of a global layer
+    (24, 72, None, 2, 4, 2, False, False),  # rank 3 of 4: the whole prefix
+    (24, 72, None, 1, 4, 1, False, False),  # one KV head for 4 query heads
+    (24, 9, 10, 2, 4, 2, False, False),  # a window within the previous shard
+    (24, 47, 48, 2, 4, 2, False, False),  # a window spanning two shards
+    (24, 71, 72, 2, 2, 2, False, False),  # three shards, no GQA
+    (24, 72, None, 2, 4, 2, True, False),  # packed documents over the prefix
+    (24, 72, None, 2, 4, 2, True, True),  # documents and padding
+    (24, 20, 21, 2, 4, 2, True, True),
+    (24, 20, 21, 2, 4, 2, False, True),
+    (17, 0, 5, 2, 2, 1, True, True),  # L not a multiple of the tile size
+]
+
+
+def brute_force(q, k, v, q_start, k_start, window, scale, documents, padding):
+    """float64 attention over the dense [L, T] visibility matrix made from the rule."""
+    B, H, L, _ = q.shape
+    T, groups = k.shape[2], H // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)  # [B, H, T, D]
+    qpos = torch.arange(q_start, q_start + L)[:, None]  # [L, 1] global rows
+    kpos = torch.arange(k_start, k_start + T)[None]  # [1, T]
+    seen = (kpos <= qpos).expand(B, L, T)  # [B, L, T]
+    if window is not None:
+        seen = seen & (qpos - kpos < window)
+    if documents is not None:
+        seen = seen & (documents[:, -L:, None] == documents[:, None, :])
+    if padding is not None:
+        seen = seen & padding[:, None, :]
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~seen[:, None], -math.inf)  # [B, H, L, T]
+    weights = torch.where(seen[:, None].any(-1, keepdim=True), scores.softmax(-1), 0.0)
+    return weights @ v
+
+
+def make_inputs(L, h, B, H, Hkv, documents, padding, seed=0, dtype=torch.float64):
+    """Integer-valued q, k, v in [-3, 3] ([B, H, L, D] and [B, Hkv, T, D], from [B, L, H, D] memory
+    as models lay them out), sorted document ids and a padding mask with 20% padding."""
+    gen = torch.Generator().manual_seed(seed)
+    T, D = h + L, 8
+
+    def ints(*shape):
+        return torch.randint(-3, 4, shape, generator=gen).to(dtype).transpose(1, 2).requires_grad_()
+
+    q, k, v = ints(B, L, H, D), ints(B, T, Hkv, D), ints(B, T, Hkv, D)
+    docs = torch.randint(0, 4, (B, T), generator=gen).sort(-1).values if documents else None
+    pad = torch.rand(B, T, generator=gen) > 0.2 if padding else None
+    return q, k, v, docs, pad
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    monkeypatch.setattr(attention, "BLOCK", {"global": 7, "window": 5, "masked": 6})
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_brute_force_forward_and_backward(case, small_tiles):
+    L, h, window, B, H, Hkv, documents, padding = case
+    q_start = 1000  # any global row: only differences matter
+    q, k, v, docs, pad = make_inputs(L, h, B, H, Hkv, documents, padding)
+    out = attention.causal_attention(
+        q, k, v, q_start, q_start - h, window=window, scale=0.25, documents=docs, padding=pad
+    )
+    ref = brute_force(q, k, v, q_start, q_start - h, window, 0.25, docs, pad)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert (out - ref).abs().max() <= 1e-12
+    cotangent = torch.randint(-2, 3, out.shape, generator=torch.Generator().manual_seed(1)).double()
+    grads = torch.autograd.grad(out, (q, k, v), cotangent)
+    expected = torch.autograd.grad(ref, (q, k, v), cotangent)
+    for name, got, want in zip("qkv", grads, expected, strict=True):
+        assert (got - want).abs().max() <= 1e-12, name
+
+
+def test_queries_that_see_nothing_give_zeros_and_no_gradient(small_tiles):
+    """Rank 0's first tokens padded: their queries see no key; everything else is unaffected."""
+    q, k, v, _, _ = make_inputs(12, 0, 1, 2, 1, False, False)
+    padding = torch.ones(1, 12, dtype=torch.bool)
+    padding[0, :3] = False
+    out = attention.causal_attention(q, k, v, 0, 0, padding=padding)
+    assert torch.equal(out[:, :, :3], torch.zeros_like(out[:, :, :3]))
+    ref = brute_force(q, k, v, 0, 0, None, 1 / math.sqrt(8), None, padding)
+    assert (out - ref).abs().max() <= 1e-12
+    out.sum().backward()
+    assert torch.equal(q.grad[:, :, :3], torch.zeros_like(q.grad[:, :, :3]))
+    assert torch.isfinite(k.grad).all() and torch.equal(k.grad[:, :, :3], torch.zeros_like(k.grad[:, :, :3]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_random_floats_and_low_precision_keep_the_dtype(dtype, small_tiles):
+    """Random floats against the float64 brute force; the output is in the input's dtype."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 24, 16, generator=gen)
+    k, v = torch.randn(2, 2, 40, 16, generator=gen), torch.randn(2, 2, 40, 16, generator=gen)
+    docs = torch.randint(0, 3, (2, 40), generator=gen).sort(-1).values
+    out = attention.causal_attention(
+        q.to(dtype), k.to(dtype), v.to(dtype), 100, 84, window=30, documents=docs
+    )
+    ref = brute_force(q.double(), k.double(), v.double(), 100, 84, 30, 0.25, docs, None)
+    assert out.dtype == dtype
+    assert (out.double() - ref).abs().max() <= (1e-5 if dtype == torch.float32 else 3e-2)
+
+
+# --- the plan -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 8, 13, 40])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("L,h", [(1, 0), (16, 0), (16, 5), (16, 30), (13, 47)])
+def test_tile_plan_covers_every_visible_pair_exactly_once(L, h, window, masked):
+    """Tiles do not overlap and every visible (query, key) pair lies in one; no tile sees nothing;
+    "full" tiles see every pair and "causal" ones are diagonal squares; a tile with a mask is at
+    most a block square, so no mask grows with L * T."""
+    T, block = h + L, 4
+    rule = attention.mask_mod(h, 0, window, None, None)
+    covered = torch.zeros(L, T, dtype=torch.long)
+    for q0, q1, tiles in attention.tile_plan(L, T, window, block, masked):
+        for t in tiles:
+            assert (t.q0, t.q1) == (q0, q1) and 0 <= t.k0 < t.k1 <= T
+            pairs = rule(0, 0, torch.arange(q0, q1)[:, None], torch.arange(t.k0, t.k1)[None])
+            assert pairs.any(), t
+            if t.kind == "full":
+                assert pairs.all() and not masked, t
+            elif t.kind == "causal":
+                assert t.k0 == q0 + h and t.k1 == q1 + h and not masked, t
+            else:
+                assert (q1 - q0) <= block and t.k1 - t.k0 <= block, t
+            covered[q0:q1, t.k0 : t.k1] += 1
+    visible = rule(0, 0, torch.arange(L)[:, None], torch.arange(T)[None])
+    assert covered.max() <= 1 and torch.equal(covered.bool() & visible, visible)
+
+
+def test_memory_is_bounded_no_tensor_grows_with_L_times_T():
+    """Every tensor made in forward and backward, counted by a dispatch mode: the largest holds far
+    fewer than L * T elements (the dense path's mask alone has B * L * T; its scores B * H * L * T)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    Largest.numel = max(Largest.numel, t.numel())
+            return out
+
+    L, T = 1024, 8192
+    q = torch.randn(1, 2, L, 8, requires_grad=True)
+    k, v = torch.randn(1, 1, T, 8, requires_grad=True), torch.randn(1, 1, T, 8, requires_grad=True)
+    documents, padding = torch.zeros(1, T, dtype=torch.long), torch.ones(1, T, dtype=torch.bool)
+    for extra in ({}, {"documents": documents, "padding": padding}, {"window": 300}):
+        Largest.numel = 0
+        with Largest():
+            attention.causal_attention(q, k, v, T - L, 0, **extra).sum().backward()
+        assert Largest.numel <= L * T // 8, (extra.keys(), Largest.numel)
+
+
+def test_bad_arguments_raise_value_error():
+    q, k = torch.zeros(1, 4, 8, 8), torch.zeros(1, 2, 12, 8)
+    with pytest.raises(ValueError, match=r"k_start \(0\) \+ T \(12\) must equal q_start \(0\) \+ L \(8\)"):
+        attention.causal_attention(q, k, k, 0, 0)
+    with pytest.raises(ValueError, match="`key`/`value` must be"):
+        attention.causal_attention(q, torch.zeros(1, 3, 12, 8), torch.zeros(1, 3, 12, 8), 4, 0)
+    with pytest.raises(ValueError, match="`window` must be at least 1"):
+        attention.causal_attention(q, k, k, 4, 0, window=0)
+    with pytest.raises(ValueError, match=r"`documents` must be \[B, T\] = \(1, 12\)"):
+        attention.causal_attention(q, k, k, 4, 0, documents=torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_kernel_table():
+    cpu = torch.zeros(1, 1, 1, 8)
+    assert attention.choose_kernel(cpu, None, None, None) == "tiled"
+    assert attention.choose_kernel(cpu.to("meta"), 4, None, None) == "tiled"
+
+
+def test_the_cuda_rule_runs_through_flex_attention_forward_on_cpu():
+    """The CUDA kernels' visibility rule, through flex_attention with a BlockMask compiled from
+    `mask_mod` (no dense mask). torch 2.13 has flex's forward on CPU (not its backward): this checks
+    the rule, the offsets, GQA and the per-row documents and padding that CUDA runs."""
+    q, k, v, docs, pad = make_inputs(24, 47, 2, 4, 2, True, True, seed=3, dtype=torch.float32)
+    q, k, v = (t.detach() for t in (q, k, v))
+    out = attention.KERNELS["flex"](q, k, v, 1000, 953, 48, 0.25, docs, pad)
+    ref = brute_force(q.double(), k.double(), v.double(), 1000, 953, 48, 0.25, docs, pad)
+    assert (out.double() - ref).abs().max() <= 1e-5
