@@ -57,8 +57,8 @@ def check_arguments(query, key, value, q_start, k_start, window, documents, padd
     B, H, L, D = query.shape
     if key.ndim != 4 or key.shape != value.shape[:3] + (D,) or key.shape[0] != B or H % key.shape[1]:
         raise ValueError(
-            f"`key`/`value` must be [B, Hkv, T, D] with H divisible by Hkv, matching `query` {tuple(query.shape)}; "
-            f"got {tuple(key.shape)} and {tuple(value.shape)}"
+            f"`key`/`value` must be [B, Hkv, T, D] with H divisible by Hkv, matching `query` "
+            f"{tuple(query.shape)}; got {tuple(key.shape)} and {tuple(value.shape)}"
         )
     T = key.shape[2]
     if k_start + T != q_start + L or k_start > q_start:
@@ -165,15 +165,8 @@ def tile_plan(L, T, window, block, masked):
     for q0 in range(0, L, block):
         q1 = min(q0 + block, L)
         lo = 0 if window is None else max(0, q0 + off - window + 1)  # the first key any of them sees
-        tiles = [
-            Tile(
-                q0,
-                q1,
-                q0 + off,
-                q1 + off,
-                "masked" if masked or window is not None and q1 - q0 > window else "causal",
-            )
-        ]
+        banded = masked or window is not None and q1 - q0 > window  # the window cuts the square too
+        tiles = [Tile(q0, q1, q0 + off, q1 + off, "masked" if banded else "causal")]
         k1 = q0 + off
         while k1 > lo:
             k0 = max(lo, k1 - block)
