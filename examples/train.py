@@ -1,6 +1,8 @@
 """The main job: a transformers hybrid LM trained with DP x CP under torchrun, equal to one process.
 
     torchrun --standalone --nproc-per-node 4 -m examples.train --cp 4 --reference
+    torchrun --standalone --nproc-per-node 2 -m examples.train --dp 2 --cp 1   (pure data parallelism)
+    python -m examples.train --reference                                        (one process)
     torchrun ... -m examples.train --dp D --cp C --steps N --seq-len S --model {gemma3,lfm2} [--reference]
     two nodes: on each, torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \
                    --rdzv-endpoint HOST:PORT -m examples.train --dp 2 --cp 2 ...
@@ -79,6 +81,7 @@ from torch_impl.traffic import PayloadCounter, tag_layers
 TOLERANCE = {"float64": 2e-6, "float32": 1e-4}
 IMPLEMENTATIONS = {"torch_impl": hf.IMPLEMENTATION, "allgather": allgather.IMPLEMENTATION}  # --transport
 VOCAB = 256
+JOB_START = time.perf_counter()  # reset by main()
 
 
 def log(text):
@@ -144,13 +147,16 @@ class Corpus:
 
 
 def apply_cp(model, mesh, transport):
+    if mesh["cp"].size() == 1:
+        log("No CP (--cp 1): every rank holds whole sequences; the model's own attention")
+        return
     hf.parallelize(model, mesh["cp"])
     model.set_attn_implementation(IMPLEMENTATIONS[transport])
     log(f"Applied CP over {mesh['cp'].size()} ranks ({transport})")
 
 
 def apply_ac(model):
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=hf.checkpoint_kwargs())
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=hf.checkpoint_kwargs())
     log("Applied activation checkpointing to every decoder layer (the transport's outputs are kept)")
 
 
@@ -261,7 +267,11 @@ def train_cp(args, mesh, corpus, device):
     dtype = getattr(torch, args.dtype)
     model = build_model(args.model, args.seq_len, args.window, dtype, args.seed).to(device)
     apply_cp(model, mesh, args.transport)
-    transport = measure_transport(model, local_batch(corpus, 0, mesh, args.batch, device), IMPLEMENTATIONS)
+    transport = {}  # without CP nothing moves
+    if mesh["cp"].size() > 1:
+        transport = measure_transport(
+            model, local_batch(corpus, 0, mesh, args.batch, device), IMPLEMENTATIONS
+        )
     if args.ac:
         apply_ac(model)
     if args.compile:
@@ -329,6 +339,9 @@ def progress(total, done):
 
 
 def print_transport(report, layer_types, n):
+    if not report:
+        print("\nNo CP: no sequence transport")
+        return
     print(
         f"\nBytes each rank receives per step (forward+backward), per layer, the largest over the {n} ranks:"
     )
@@ -400,9 +413,15 @@ def parse(argv):
 
 
 def main(argv=None):
+    global JOB_START
+    JOB_START = time.perf_counter()
     args = parse(argv)
     use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    backend = "nccl" if use_cuda else "gloo"
+    if "RANK" in os.environ:  # under torchrun
+        dist.init_process_group(backend)
+    else:  # `python -m examples.train`: one process
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
@@ -438,7 +457,8 @@ def report(args, corpus, device, losses, times, elapsed, per_rank, params):
     print_transport(received, layer_types, len(per_rank))
     print(f"\npeak resident memory per rank while training: {', '.join(f'{p:.0f}' for p in peaks)} MiB")
     print(
-        f"median step {median * 1000:.0f} ms, {tokens_per_step / median:,.0f} tokens/s; {elapsed:.1f}s in all"
+        f"median step {median * 1000:.0f} ms, {tokens_per_step / median:,.0f} tokens/s; {elapsed:.1f}s for "
+        f"the model, the transport measurement and {len(times)} steps"
     )
     metrics = {
         "args": vars(args),
@@ -469,6 +489,7 @@ def report(args, corpus, device, losses, times, elapsed, per_rank, params):
         print(f"figure: {args.figure}")
         metrics["reference_losses"] = one
         status = 0 if worst <= tolerance else 1
+    print(f"job: {time.perf_counter() - JOB_START:.1f}s from the start of main, the reference included")
     if args.metrics:
         os.makedirs(os.path.dirname(args.metrics) or ".", exist_ok=True)
         Path(args.metrics).write_text(json.dumps(metrics, indent=1))

@@ -28,10 +28,10 @@ def cp_step(group, name, dtype, state, batch, mode="eval"):
     model.load_state_dict(state)
     model.train(mode != "eval")
     if mode == "train_ac":
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     hf.parallelize(model, group)
     if mode == "train_ac_compiled":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=hf.checkpoint_kwargs())
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=hf.checkpoint_kwargs())
         for layer in model.model.layers:
             layer.compile(fullgraph=True)
     local = hf.shard_batch(batch, group)

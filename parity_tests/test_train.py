@@ -63,6 +63,19 @@ def test_training_equals_one_process(tmp_path, args):
         assert sum(map(sum, ours)) < sum(map(sum, base))
 
 
+def test_pure_data_parallelism_and_one_process_train(tmp_path):
+    """--cp 1: no CP (the model's own attention), FSDP2 over dp ranks; and a plain `python -m
+    examples.train`, one process without torchrun. Both equal the reference."""
+    code, out = run(["--dp", "2", "--cp", "1", "--steps", "2", *SMALL, "--reference"], nproc=2)
+    assert code == 0 and "No CP (--cp 1)" in out and "EQUAL" in out, out[-3000:]
+    command = [sys.executable, "-m", "examples.train", "--steps", "2", *SMALL, "--reference"]
+    command += ["--figure", str(tmp_path / "f.png")]
+    one = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert one.returncode == 0 and "1 ranks = dp 1 x cp 1" in one.stdout and "EQUAL" in one.stdout, (
+        one.stdout[-3000:]
+    )
+
+
 def test_compiled_layers_with_activation_checkpointing_train():
     code, out = run(["--cp", "2", "--compile", "--ac", "--steps", "2", *SMALL, "--reference"], nproc=2)
     assert code == 0 and "Applied torch.compile(fullgraph=True)" in out and "EQUAL" in out, out[-3000:]

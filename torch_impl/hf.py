@@ -498,11 +498,11 @@ def _save_collectives(ctx, op, *args, **kwargs):
 
 def checkpoint_kwargs():
     """Activation checkpointing that keeps the outputs of the transport's collectives instead of
-    recomputing them: `model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=
-    hf.checkpoint_kwargs())`. Required with torch.compile: recomputed inside a compiled backward,
-    a collective whose output a rank does not need (rank 0's empty halo) is dropped by the compiler
-    on that rank only, and its peers wait forever. (Eager recomputation runs every collective on
-    every rank again, in order.)"""
+    recomputing them: `model.activation_checkpointing_enable(activation_checkpointing_kwargs=
+    hf.checkpoint_kwargs())` (older transformers: `gradient_checkpointing_enable`). Required with
+    torch.compile: recomputed inside a compiled backward, a collective whose output a rank does not
+    need (rank 0's empty halo) is dropped by the compiler on that rank only, and its peers wait
+    forever. (Eager recomputation runs every collective on every rank again, in order.)"""
     return {
         "use_reentrant": False,
         "context_fn": partial(create_selective_checkpoint_contexts, _save_collectives),
