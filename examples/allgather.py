@@ -35,8 +35,9 @@ def fetch_keys(group, key, value, padding, window):
 def attention(module, query, key, value, attention_mask, **kwargs):
     hf.check_call(module, attention_mask)
     padding, window = attention_mask
+    documents = kwargs.pop(hf.DOCUMENTS, None)
     key, value, padding, first_key = fetch_keys(module.context_parallel.group, key, value, padding, window)
-    return hf.attend(module, query, key, value, padding, first_key, window, **kwargs)
+    return hf.attend(module, query, key, value, padding, documents, first_key, window, **kwargs)
 
 
 AttentionInterface.register(IMPLEMENTATION, attention)

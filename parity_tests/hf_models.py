@@ -24,6 +24,37 @@ def _small(**overrides):
     }
 
 
+def _dsa():
+    """DeepSeek Sparse Attention at test size: MLA (latents of 16 + 8 dims a token), an indexer
+    choosing 5 of up to 24 keys with 16 heads (fewer heads score exact ties: ReLU zeros), a dense
+    MLP then MoE."""
+    return {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 16,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_shared_experts": 1,
+        "n_routed_experts": 4,
+        "n_group": 1,
+        "topk_group": 1,
+        "num_experts_per_tok": 2,
+        "kv_lora_rank": 16,
+        "q_lora_rank": 24,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 12,
+        "index_topk": 5,
+        "index_head_dim": 16,
+        "index_n_heads": 16,
+        "first_k_dense_replace": 1,
+        "max_position_embeddings": 128,
+        "use_cache": False,
+    }
+
+
 def _eager_experts(model):
     model.set_experts_implementation("eager")  # grouped_mm has no float64 kernel on CPU
     return model
@@ -59,6 +90,10 @@ def _configs():
                 tf.GptOssConfig(**_small(num_hidden_layers=2, sliding_window=10), num_local_experts=4)
             )
         ),
+        "deepseek_v32": lambda: _eager_experts(tf.DeepseekV32ForCausalLM(tf.DeepseekV32Config(**_dsa()))),
+        "glm_moe_dsa": lambda: _eager_experts(  # layer 1 reuses layer 0's top-k ("shared")
+            tf.GlmMoeDsaForCausalLM(tf.GlmMoeDsaConfig(**_dsa(), indexer_types=["full", "shared"]))
+        ),
         # refused by parallelize
         "qwen3_next": lambda: tf.Qwen3NextForCausalLM(
             tf.Qwen3NextConfig(
@@ -82,6 +117,7 @@ def _configs():
 
 
 SUPPORTED = ("gemma3", "gemma2", "mistral", "lfm2", "llama", "gpt_oss")
+INDEXED = ("deepseek_v32", "glm_moe_dsa")  # DeepSeek Sparse Attention
 DENSE = {"gemma2": "attention logit soft-capping", "gpt_oss": "attention sinks"}  # the rest: fused
 REFUSED = {  # model -> what the error names
     "qwen3_next": "model.layers.0.linear_attn (Qwen3NextGatedDeltaNet) carries recurrent state",

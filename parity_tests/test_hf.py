@@ -49,6 +49,9 @@ def assert_matches_reference(results, ref, dtype, rel=None):
     total = sum(res["loss"] for res in results)
     assert abs(total - loss) <= rel * abs(loss), (total, loss)
     for key, g in grads.items():
+        if g is None:  # not trained (DeepSeek Sparse Attention's indexer)
+            assert all(res["grads"][key] is None for res in results), key
+            continue
         summed = sum(res["grads"][key] for res in results)
         err = (summed - g).abs().max() / g.abs().max()
         assert err <= rel, (key, err.item())
@@ -101,6 +104,20 @@ def test_compiled_layers_with_activation_checkpointing(pool):
         ("first", 2), hf_cases.cp_step, "gemma3", "float64", ref[0], ref[1], "train_ac_compiled", timeout=300
     )
     assert_matches_reference(group_results, ref, "float64", rel=1e-5)  # inductor: see below
+
+
+# --- DeepSeek Sparse Attention ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("name", hf_models.INDEXED)
+def test_indexed_attention_equals_one_process_float64(pool, name, n):
+    """DeepSeek V3.2 and GLM-5 (layer 1 reusing layer 0's top-k): the indexer picks 5 of up to 24
+    keys, batch 2 with a right-padded row; the CP ranks' logits, loss and gradients equal one
+    process's (the indexer's parameters get none in either)."""
+    ref = reference(name, "float64")
+    for group_results in pool.run(("block", n), hf_cases.cp_step, name, "float64", ref[0], ref[1]):
+        assert_matches_reference(group_results, ref, "float64")
 
 
 # --- packed sequences ------------------------------------------------------------------------

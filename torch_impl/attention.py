@@ -25,6 +25,7 @@ import math
 from typing import NamedTuple
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 # CPU tiles: query rows per block (and key rows per tile that needs a mask), measured fastest here
 BLOCK = {"global": 1024, "window": 256, "masked": 512}
@@ -287,3 +288,46 @@ def _tiled(query, key, value, q_start, k_start, window, scale, documents, paddin
 
 
 KERNELS = {"flash": _flash, "flex": _flex, "tiled": _tiled}
+
+
+# --- DeepSeek Sparse Attention: each query over the keys its indexer selected ------------------
+
+
+def selected_attention(query, key, value, indices, valid, *, scale, block=256):
+    """Attention of every query over the keys it selected; differentiable, memory O(block * k).
+
+    query: [B, H, L, Dk]; key: [B, H, T, Dk]; value: [B, H, T, Dv]; indices: int [B, L, k], the key
+    rows each query selected; valid: bool [B, L, k], which of them it may see (the indexer's top-k
+    holds masked keys when a query sees fewer than k). Equal to attention over all T keys with the
+    mask "visible and selected"; a query that sees none of its keys returns zeros. Query blocks are
+    checkpointed: a block's gathered keys [B, block, k, H, Dk] exist only while it runs, in forward
+    and again in backward. Returns [B, H, L, Dv] in query's dtype.
+    """
+    L = query.shape[2]
+    blocks = [
+        checkpoint(
+            _selected_block,
+            query[:, :, q0 : q0 + block],
+            key,
+            value,
+            indices[:, q0 : q0 + block],
+            valid[:, q0 : q0 + block],
+            scale,
+            use_reentrant=False,
+        )
+        for q0 in range(0, L, block)
+    ]  # [B, H, nq, Dv] each
+    return torch.cat(blocks, dim=2)
+
+
+def _selected_block(query, key, value, indices, valid, scale):
+    """One query block: gather each query's k keys and values, softmax over the valid ones."""
+    B = query.shape[0]
+    rows = torch.arange(B, device=indices.device)[:, None, None], indices.long()  # [B, 1, 1], [B, nq, k]
+    keys = key.transpose(1, 2)[rows]  # [B, nq, k, H, Dk]
+    values = value.transpose(1, 2)[rows]  # [B, nq, k, H, Dv]
+    work = torch.float64 if query.dtype == torch.float64 else torch.float32
+    scores = torch.einsum("bhqd,bqkhd->bhqk", query.to(work), keys.to(work)) * scale  # [B, H, nq, k]
+    scores = scores.masked_fill(~valid[:, None], -math.inf)
+    weights = torch.where(valid[:, None].any(-1, keepdim=True), scores.softmax(-1), 0.0)  # [B, H, nq, k]
+    return torch.einsum("bhqk,bqkhd->bhqd", weights, values.to(work)).to(query.dtype)  # [B, H, nq, Dv]

@@ -60,13 +60,14 @@ from transformers.masking_utils import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from torch_impl import _group, validation
-from torch_impl.attention import causal_attention
+from torch_impl.attention import causal_attention, selected_attention
 from torch_impl.halo import gather_halo
 from torch_impl.metadata import gather_metadata
 from torch_impl.sequence import gather_sequence
 
 IMPLEMENTATION = "cp_transport"
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "conv")
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "conv", "indexed_attention")
+INDEXED = "indexed_attention"  # DeepSeek Sparse Attention (DeepSeek V3.2, GLM-5): MLA + an indexer's top-k
 SHORT_CONVS = ("Lfm2ShortConv", "Lfm2MoeShortConv")  # causal depthwise conv of in_proj's gated output
 RECURRENT = re.compile(r"Mamba|GatedDeltaNet|LinearAttention|Rwkv|RWKV|Recurrent|Retention|xLSTM|Ssm|SSM")
 IGNORE_INDEX = -100
@@ -220,6 +221,8 @@ def check_call(module, attention_mask):
 def attention(module, query, key, value, attention_mask, **kwargs):
     """The registered implementation: query [B, H, L, D], key/value [B, Hkv, L, D] on rank r ->
     ([B, L, H, D], weights), equal to the single-process model's rows r*L .. (r+1)*L - 1."""
+    if isinstance(attention_mask, IndexedContext):
+        return indexed_attention(module, query, key, value, attention_mask, **kwargs)
     check_call(module, attention_mask)
     padding, window = attention_mask
     documents = kwargs.pop(DOCUMENTS, None)  # [B, S] for packed sequences, from ModelInputs
@@ -229,6 +232,142 @@ def attention(module, query, key, value, attention_mask, **kwargs):
 
 AttentionInterface.register(IMPLEMENTATION, attention)
 AttentionMaskInterface.register(IMPLEMENTATION, local_mask)
+
+
+# --- DeepSeek Sparse Attention (indexed_attention layers) ----------------------------------------
+
+
+class IndexedContext:
+    """One forward of a DeepSeek Sparse Attention model under CP, on rank r of n (L tokens each).
+
+    The base model's pre-hook hands it to the model twice, through the model's own arguments: as
+    its mask (`attention_mask={"indexed_attention": context}`, so the model builds no [L, S] mask)
+    and as its cache (`past_key_values=context`). As the cache, `update` receives each layer's MLA
+    latents (this rank's rows, the model's cache format) and keeps them for `indexed_attention`;
+    the model expands its own rows. As the mask, the model slices it like a 4-D mask for its
+    indexer (`[:, 0, :, :]` is the context itself), and `visible` states which keys a query sees:
+    earlier or itself, not padding, the same document.
+    """
+
+    def __init__(self, group, local_len, padding, documents):
+        self.group, self.local_len, self.start = group, local_len, _group.rank(group) * local_len
+        self.padding, self.documents = padding, documents  # bool / int [B, S] by global position, or None
+        self.latents = {}  # layer index -> (k_pass [B, 1, L, r], k_rot [B, 1, L, dr])
+
+    def update(self, k_pass, k_rot, layer_idx, *args, **kwargs):
+        self.latents[layer_idx] = (k_pass, k_rot)
+        return k_pass, k_rot
+
+    def __getitem__(self, index):
+        return self
+
+    def visible(self, queries, keys):
+        """bool [B or 1, nq, k]: query global rows `queries` [1, nq, 1] against key rows `keys`
+        ([1, 1, T], or [B, nq, k])."""
+        ok = keys <= queries
+        for by_position in (self.padding, self.documents):
+            if by_position is None:
+                continue
+            batch = torch.arange(len(by_position), device=keys.device)[:, None, None]  # [B, 1, 1]
+            seen = by_position[batch, keys]
+            ok = ok & (seen if by_position is self.padding else seen == by_position[batch, queries])
+        return ok
+
+    def prefix(self, x):
+        """x: [B, L, ...] on every rank -> [B, (r+1)*L, ...]: the causal prefix, global rows 0 ..
+        (r+1)*L - 1, received point to point (gather_halo with a halo of every earlier row)."""
+        return gather_halo(x, self.group, (_group.world_size(self.group) - 1) * self.local_len)
+
+
+class _Keys:
+    """A cache stand-in for one call of the model's indexer: `update_indexer` keeps the keys the
+    indexer computed (this rank's rows) and answers with `keys` (scores against those)."""
+
+    def __init__(self, keys=None):
+        self.keys, self.computed = keys, None
+
+    def update_indexer(self, k, layer_idx):
+        self.computed = k  # [B, nq, Di]
+        return k[:, :1] if self.keys is None else self.keys
+
+
+class BlockedIndexer:
+    """Mixed into the class of the model's own indexer, per instance (as FSDP2's fully_shard does),
+    so that its parameters keep their names. Its forward runs the model's own indexer forward:
+    once over this rank's rows to compute their indexer keys (against a single key), then, after
+    the causal prefix of those keys arrives (`IndexedContext.prefix`, no autograd: the indexer is
+    not trained), once per block of queries, each scoring only its block: the float32 scores
+    [B, block, heads, (r+1)*L] never grow with L x S. Returns the top-k global key rows [B, L, k].
+    """
+
+    query_block = 256
+
+    @torch.no_grad()
+    def forward(
+        self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None, **kwargs
+    ):
+        context, (B, L, _) = attention_mask, hidden_states.shape
+        cos, sin = position_embeddings
+
+        def rows(t, q0):
+            return None if t is None else t[:, q0 : q0 + self.query_block]  # [., nq, ...]
+
+        own = _Keys()
+        ones = hidden_states.new_ones((B, L, 1), dtype=torch.bool)  # a mask over that single key
+        super().forward(hidden_states, q_resid, position_embeddings, ones, position_ids, past_key_values=own)
+        keys = _Keys(context.prefix(own.computed))  # [B, (r+1)*L, Di]
+        T = context.start + L
+        selected = []
+        for q0 in range(0, L, self.query_block):
+            queries = context.start + torch.arange(q0, min(q0 + self.query_block, L), device=cos.device)
+            mask = context.visible(queries[None, :, None], torch.arange(T, device=cos.device)[None, None])
+            mask = mask.expand(B, -1, -1)  # [B, nq, T]
+            selected.append(
+                super().forward(
+                    rows(hidden_states, q0),
+                    rows(q_resid, q0),
+                    (rows(cos, q0), rows(sin, q0)),
+                    mask,
+                    rows(position_ids, q0),
+                    past_key_values=keys,
+                )
+            )  # [B, nq, k]
+        return torch.cat(selected, dim=1)
+
+
+_BLOCKED_CLASSES = {}
+
+
+def _blocked(indexer):
+    """The indexer instance, its class swapped for BlockedIndexer mixed into its own."""
+    cls = type(indexer)
+    if cls not in _BLOCKED_CLASSES:
+        _BLOCKED_CLASSES[cls] = type(f"CP{cls.__name__}", (BlockedIndexer, cls), {})
+    indexer.__class__ = _BLOCKED_CLASSES[cls]
+    return indexer
+
+
+def indexed_attention(module, query, key, value, context, indices=None, scaling=None, **kwargs):
+    """An indexed_attention layer on rank r: its queries over the keys its indexer selected.
+
+    query: [B, H, L, Dk]; key/value (the model's expansion of this rank's latents) are not used;
+    indices: [B, L, k] global key rows (GLM-5's shared layers: the previous layer's).
+    1. The MLA latents (k_pass | k_rot, kv_lora_rank + rope dims a token) of the causal prefix
+       arrive point to point with autograd (`IndexedContext.prefix`; backward: their gradients go
+       back to their owners); the module's own `expand_kv` turns them into per-head K and V. (This
+       rank's rows are expanded from the prefix too: on rank 0 the prefix is only its own rows, and
+       its backward, which returns the later ranks' gradients, runs only if the prefix is used.)
+    2. `selected_attention` over the selected keys that the query may see.
+    Returns ([B, L, H, Dv], None).
+    """
+    k_pass, k_rot = context.latents.pop(module.layer_idx)  # [B, 1, L, r], [B, 1, L, dr]
+    L, rank_dims = query.shape[2], k_pass.shape[-1]
+    prefix = context.prefix(torch.cat([k_pass, k_rot], dim=-1)[:, 0])[:, None]  # [B, 1, (r+1)*L, r+dr]
+    key, value = module.expand_kv(prefix[..., :rank_dims], prefix[..., rank_dims:])  # [B, H, (r+1)*L, D]
+    queries = context.start + torch.arange(L, device=query.device)[None, :, None]  # [1, L, 1]
+    valid = context.visible(queries, indices.long())  # [B, L, k]
+    out = selected_attention(query, key, value, indices, valid, scale=scaling)  # [B, H, L, Dv]
+    return out.transpose(1, 2).contiguous(), None
 
 
 # --- hooks on the model's own modules -------------------------------------------------------------
@@ -272,18 +411,20 @@ class ModelInputs:
       (packed sequences); where transformers then isolates the documents (no attention_mask, no
       cache), the positions are gathered once per forward and their document ids, numbered as
       transformers' `find_packed_sequence_indices` numbers them over the whole sequence, reach
-      every attention layer as the `cp_documents` kwarg ([B, S]; absent when nothing restarts).
+      every attention layer: the `cp_documents` kwarg ([B, S]; absent when nothing restarts).
+    - indexed_attention models get one `IndexedContext` as their mask and cache, with the padding
+      mask gathered once per forward ([B, S]) and the documents.
     - a KV cache that already holds tokens is refused (each rank's cache would hold its own keys).
     """
 
-    def __init__(self, module, group):
-        self.group, self.arguments = group, Arguments(module.forward)
+    def __init__(self, module, group, indexed):
+        self.group, self.arguments, self.indexed = group, Arguments(module.forward), indexed
 
     def __call__(self, module, args, kwargs):
         argument = partial(self.arguments.get, args, kwargs)
         tokens = argument("input_ids")
         tokens = argument("inputs_embeds") if tokens is None else tokens
-        cache, positions = argument("past_key_values"), argument("position_ids")
+        (B, L), cache, positions = tokens.shape[:2], argument("past_key_values"), argument("position_ids")
         error = self.check(module, cache)
         if validation.enabled(None) and not torch.compiler.is_compiling():  # no rank left waiting
             failed = validation.failed_ranks(error is None, tokens, self.group)
@@ -291,15 +432,29 @@ class ModelInputs:
                 error = f"`{IMPLEMENTATION}`: CP ranks {failed} rejected their inputs"
         if error:
             raise ValueError(error)
-        if positions is None:
+        padding, documents = argument("attention_mask"), None
+        if (
+            positions is not None
+            and padding is None
+            and cache is None
+            and not _creates_cache(module, argument)
+        ):
+            everywhere = gather_metadata(positions.expand(B, -1).contiguous(), self.group)  # [B, S]
+            documents = find_packed_sequence_indices(everywhere)  # [B, S], or None: no position restarts
+        positions = global_positions(self.group, L, tokens.device) if positions is None else positions
+        if self.indexed:
+            padding = None if padding is None else gather_metadata(padding.bool(), self.group)  # [B, S]
+            context = IndexedContext(self.group, L, padding, documents)
             return self.arguments.replace(
-                args, kwargs, position_ids=global_positions(self.group, tokens.shape[1], tokens.device)
+                args,
+                kwargs,
+                attention_mask={INDEXED: context},
+                past_key_values=context,
+                position_ids=positions,
+                use_cache=False,
             )
-        if argument("attention_mask") is not None or cache is not None or argument("use_cache"):
-            return None  # transformers does not look for packed sequences then: plain causal masks
-        everywhere = gather_metadata(positions.expand(tokens.shape[0], -1).contiguous(), self.group)  # [B, S]
-        documents = find_packed_sequence_indices(everywhere)  # [B, S], or None: no position restarts
-        return None if documents is None else (args, kwargs | {DOCUMENTS: documents})
+        args, kwargs = self.arguments.replace(args, kwargs, position_ids=positions)
+        return args, kwargs if documents is None else kwargs | {DOCUMENTS: documents}
 
     @staticmethod
     def check(module, cache):
@@ -310,6 +465,15 @@ class ModelInputs:
                 "generation with a cache is not supported under CP"
             )
         return None
+
+
+def _creates_cache(module, argument):
+    """Whether the model will make itself a KV cache in this call, as transformers decides (its
+    `merge_with_config_defaults`: use_cache, else the config's, off while checkpointing in training);
+    with one it does not look for packed sequences."""
+    use_cache = argument("use_cache")
+    use_cache = getattr(module.config, "use_cache", False) if use_cache is None else use_cache
+    return bool(use_cache) and not (getattr(module, "gradient_checkpointing", False) and module.training)
 
 
 # --- short convolutions ---------------------------------------------------------------------------
@@ -360,11 +524,14 @@ def _check_configs(model):
             raise _refuse(name, module, "is an encoder-decoder model: cross attention is not supported")
         if getattr(config, "attention_chunk_size", None):
             raise _refuse(name, module, "uses chunked attention, which is not supported")
-        unsupported = sorted(set(getattr(config, "layer_types", None) or ()) - set(SUPPORTED_LAYER_TYPES))
+        layer_types = set(getattr(config, "layer_types", None) or ())
+        unsupported = sorted(layer_types - set(SUPPORTED_LAYER_TYPES))
         if unsupported:
             raise _refuse(
                 name, module, f"has layers of types {unsupported}; supported: {SUPPORTED_LAYER_TYPES}"
             )
+        if INDEXED in layer_types and layer_types != {INDEXED}:
+            raise _refuse(name, module, f"mixes {INDEXED!r} layers with {sorted(layer_types - {INDEXED})}")
 
 
 def _layer_type(module):
@@ -411,7 +578,24 @@ def _dense_reason(module):
     return None
 
 
+def _check_indexed(name, module):
+    """An indexed_attention layer is DeepSeek V3.2's / GLM-5's: MLA latents expanded by `expand_kv`,
+    an indexer (or, GLM-5's shared layers, the previous layer's indices) with the forward the
+    adapter calls, no attention dropout."""
+    if not callable(getattr(module, "expand_kv", None)) or not hasattr(module, "indexer"):
+        raise _refuse(name, module, f"is an {INDEXED!r} layer without MLA's expand_kv and an indexer")
+    if module.indexer is not None:
+        names = list(inspect.signature(module.indexer.forward).parameters)[:6]
+        expected = ["hidden_states", "q_resid", "position_embeddings", "attention_mask", "position_ids"]
+        if names[:5] != expected or "past_key_values" not in names:
+            raise _refuse(name, module, f"has an indexer whose forward takes {names}, not {expected}")
+    if getattr(module.config, "attention_dropout", 0.0) > 0:
+        raise _refuse(name, module, f"is an {INDEXED!r} layer with attention dropout, which is not supported")
+
+
 def _attention_plan(name, module, group):
+    if _layer_type(module) == INDEXED:
+        _check_indexed(name, module)
     implementation = module.config._attn_implementation
     if implementation == "sdpa":
         attend = ALL_ATTENTION_FUNCTIONS["sdpa"]
@@ -426,7 +610,8 @@ def _attention_plan(name, module, group):
             f"uses attention {implementation!r}; only 'sdpa' and 'eager' take the global query and key "
             "offsets of a CP rank (flash kernels align causal masks bottom-right)",
         )
-    return AttentionPlan(group, attend, ALL_MASK_ATTENTION_FUNCTIONS[implementation], _dense_reason(module))
+    dense = None if _layer_type(module) == INDEXED else _dense_reason(module)
+    return AttentionPlan(group, attend, ALL_MASK_ATTENTION_FUNCTIONS[implementation], dense)
 
 
 def _plan(model, group):
@@ -453,14 +638,27 @@ def apply_attention(model, attentions):
         module.context_parallel = plan
         kind = _layer_type(module) or type(module).__name__
         paths[kind] = "torch_impl.attention" if plan.dense is None else f"dense [L, T] mask ({plan.dense})"
+        if kind == INDEXED:
+            paths[kind] = "blocked indexer, selected_attention over the causal prefix's latents"
+            if module.indexer is not None:
+                _blocked(module.indexer)
     model.set_attn_implementation(IMPLEMENTATION)
     log.info("cp_transport attention: %s", "; ".join(f"{kind}: {path}" for kind, path in paths.items()))
 
 
 def apply_inputs(model, group):
-    """The base model checks (and fills in) the global positions and refuses a filled KV cache."""
+    """The base model's inputs: global positions, documents, indexed_attention's context, and the
+    refusal of a filled KV cache; its output does not carry the context on as a cache."""
     base = model.base_model
-    base.register_forward_pre_hook(ModelInputs(base, group), with_kwargs=True)
+    indexed = INDEXED in (getattr(base.config, "layer_types", None) or ())
+    base.register_forward_pre_hook(ModelInputs(base, group, indexed), with_kwargs=True)
+    if indexed:
+        base.register_forward_hook(_drop_context)
+
+
+def _drop_context(module, args, output):
+    if isinstance(getattr(output, "past_key_values", None), IndexedContext):
+        output.past_key_values = None
 
 
 def apply_short_conv(convs, group):

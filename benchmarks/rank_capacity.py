@@ -1,0 +1,277 @@
+"""`make bench-capacity`: one CP rank's peak memory and time, against the same rank without CP.
+
+    python -m benchmarks.rank_capacity [--n 8] [--lens 1024,2048,4096] [--quick] [--json FILE]
+
+One rank, the last (rank n-1 of n: the most keys), is played through torch's fake process group:
+every buffer and kernel is real, no data moves (received tensors hold whatever their memory held).
+The model is Gemma 3's text model in the demo's layout (5 sliding-window layers, window 512, then a
+global one; one KV head), at hidden size 256 (4 heads of 64), vocabulary 256, float32, with
+activation checkpointing (`hf.checkpoint_kwargs()`). Per tokens-per-rank L (global S = n * L), one
+forward+backward of:
+
+  alone       the plain model on the rank's L tokens, no CP: what the rank's own tokens cost
+  torch_impl  torch_impl.hf: halos and gathers, then torch_impl.attention (no [L, T] mask)
+  dense       torch_impl.hf's transport with the dense [L, T] masks of the model's own sdpa
+              (what torch_impl.hf did before torch_impl.attention; the fallback path)
+  allgather   examples/allgather.py: every attention layer all-gathers K and V (same math)
+
+CPU: each (variant, L) in a fresh process, peak resident set above the resident set after a
+warm-up step (glibc returning freed blocks at once, as make bench's ranks: cp_bench.RANK_ENV), and
+the median time of `--reps` steps. CUDA (when present): in this process, `max_memory_allocated`
+above weights and gradients, and also the largest L each variant fits (doubling until out of memory).
+Writes JSON (`out/rank_capacity.json`) and a figure (`out/rank_capacity.png`: peak memory against
+tokens per rank); prints a table with the ratios to `alone`.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+VARIANTS = ("alone", "torch_impl", "dense", "allgather")
+
+
+def build_model(args, max_positions):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    layer_types = ["sliding_attention"] * 5 + ["full_attention"]
+    config = tf.Gemma3TextConfig(
+        vocab_size=256,
+        hidden_size=args.hidden,
+        intermediate_size=3 * args.hidden,
+        num_hidden_layers=len(layer_types),
+        layer_types=layer_types,
+        num_attention_heads=args.heads,
+        num_key_value_heads=1,
+        head_dim=args.hidden // args.heads,
+        query_pre_attn_scalar=args.hidden // args.heads,
+        sliding_window=args.window,
+        max_position_embeddings=max_positions,
+        attn_implementation="sdpa",
+    )
+    return tf.Gemma3ForCausalLM(config)
+
+
+def prepare(variant, args, L, device):
+    """The model and this rank's kwargs for one variant, the fake group set up for CP variants."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from examples import allgather
+    from torch_impl import hf
+
+    dtype = getattr(torch, args.dtype)
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=args.n - 1, world_size=args.n)
+    model = build_model(args, args.n * L).to(device=device, dtype=dtype)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=hf.checkpoint_kwargs())
+    model.train()
+    gen = torch.Generator().manual_seed(0)
+    if variant == "alone":
+        ids = torch.randint(0, 256, (1, L), generator=gen).to(device)
+        return model, {"input_ids": ids, "labels": ids, "use_cache": False}
+    hf.parallelize(model, dist.group.WORLD)
+    if variant == "allgather":
+        model.set_attn_implementation(allgather.IMPLEMENTATION)
+    if variant == "dense":  # the fallback path: the model's own sdpa on a dense [L, T] mask
+        for module in model.modules():
+            if isinstance(getattr(module, "context_parallel", None), hf.AttentionPlan):
+                module.context_parallel = dataclasses.replace(module.context_parallel, dense="benchmark")
+    ids = torch.randint(0, 256, (1, args.n * L), generator=gen).to(device)
+    return model, hf.shard_batch({"input_ids": ids, "labels": ids}, dist.group.WORLD)
+
+
+def _status_mib(field):
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1)) / 1024
+
+
+def measure(variant, args, L, device):
+    """{"peak_mib", "ms"}: peak memory of a forward+backward above the warmed-up model with its
+    gradients, and the median time of args.reps of them."""
+    model, kwargs = prepare(variant, args, L, device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def step():
+        model(**kwargs).loss.backward()
+        sync()
+
+    step()  # warm-up: allocates the gradients
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        import gc
+
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the high-water mark restarts from the current resident set
+        base = _status_mib("VmRSS")
+    times = []
+    for _ in range(args.reps):
+        began = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - began)
+    if device.type == "cuda":
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    else:
+        peak = _status_mib("VmHWM") - base
+    return {"peak_mib": peak, "ms": 1000 * statistics.median(times)}
+
+
+def child(args):
+    """One (variant, L) in this fresh process (CPU): prints its JSON line."""
+    result = measure(args.child, args, args.child_len, torch.device("cpu"))
+    print(json.dumps(result))
+
+
+def run_cpu(args, lens):
+    from benchmarks.cp_bench import RANK_ENV
+
+    rows = []
+    for L in lens:
+        for variant in VARIANTS:  # interleaved per L, so that drift hits every variant alike
+            command = [sys.executable, "-m", "benchmarks.rank_capacity", "--child", variant]
+            command += ["--child-len", str(L), *forwarded(args)]
+            done = subprocess.run(
+                command, capture_output=True, text=True, timeout=1800, env=os.environ | RANK_ENV
+            )
+            if done.returncode:
+                raise RuntimeError(f"{variant} at L={L} failed:\n{done.stderr[-3000:]}")
+            row = {"variant": variant, "L": L, "S": args.n * L} | json.loads(done.stdout.splitlines()[-1])
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def run_cuda(args, lens):
+    """Every variant in this process; after the given lengths, the largest L that fits (doubling)."""
+    device, rows = torch.device("cuda"), []
+    for variant in VARIANTS:
+        L, fits = lens[0], None
+        while True:
+            try:
+                row = {"variant": variant, "L": L, "S": args.n * L} | measure(variant, args, L, device)
+                fits = L
+            except torch.OutOfMemoryError:
+                row = {"variant": variant, "L": L, "S": args.n * L, "error": "out of memory"}
+            torch.cuda.empty_cache()
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            if "error" in row or (L >= lens[-1] and not args.find_limit):
+                break
+            L = L * 2 if L >= lens[-1] else next(x for x in lens if x > L)
+        rows.append({"variant": variant, "largest_L": fits})
+    return rows
+
+
+def forwarded(args):
+    return [
+        f"--n={args.n}",
+        f"--hidden={args.hidden}",
+        f"--heads={args.heads}",
+        f"--window={args.window}",
+        f"--dtype={args.dtype}",
+        f"--reps={args.reps}",
+    ]
+
+
+def table(rows):
+    """Markdown rows: per L, each variant's peak and time and their ratios to `alone`."""
+    lines = [
+        "| tokens per rank L (S = n L) | variant | peak MiB | x alone | fwd+bwd ms | x alone |",
+        "|---|---|---|---|---|---|",
+    ]
+    alone = {r["L"]: r for r in rows if r.get("variant") == "alone" and "peak_mib" in r}
+    for r in rows:
+        if "peak_mib" not in r:
+            continue
+        base = alone.get(r["L"])
+        ratio = (
+            (f"{r['peak_mib'] / base['peak_mib']:.2f}", f"{r['ms'] / base['ms']:.2f}") if base else ("", "")
+        )
+        lines.append(
+            f"| {r['L']} ({r['S']}) | {r['variant']} | {r['peak_mib']:.0f} | {ratio[0]} | {r['ms']:.0f} "
+            f"| {ratio[1]} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows, path, device):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for variant in VARIANTS:
+        points = sorted(
+            (r["L"], r["peak_mib"]) for r in rows if r.get("variant") == variant and "peak_mib" in r
+        )
+        if points:
+            ax.plot(*zip(*points, strict=True), "o-", label=variant)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per rank L (rank n-1 of n)")
+    ax.set_ylabel("peak MiB above weights and gradients" if device == "cuda" else "peak resident MiB rise")
+    ax.set_title(f"one CP rank's memory, forward+backward ({device})")
+    ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=8, help="CP ranks; this process plays rank n-1")
+    p.add_argument("--lens", default="1024,2048,4096", help="tokens per rank")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--find-limit", action="store_true", help="CUDA: double L until out of memory")
+    p.add_argument("--quick", action="store_true", help="one small length, one repetition (the tests)")
+    p.add_argument("--json", default="out/rank_capacity.json")
+    p.add_argument("--plot", default="out/rank_capacity.png")
+    p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    p.add_argument("--child-len", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.dtype is None:
+        args.dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+    if args.quick:
+        args.lens, args.reps = "256", 1
+    return args
+
+
+def main(argv=None):
+    args = parse(argv)
+    if args.child:
+        return child(args)
+    lens = [int(x) for x in args.lens.split(",")]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    print(
+        f"# one CP rank (rank {args.n - 1} of {args.n}, fake process group) on {device}: Gemma 3 layout, "
+        f"hidden {args.hidden}, window {args.window}, {args.dtype}, activation checkpointing"
+    )
+    rows = run_cuda(args, lens) if device == "cuda" else run_cpu(args, lens)
+    print(table(rows))
+    meta = {"device": device, "torch": torch.__version__, "args": vars(args)}
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    plot(rows, args.plot, device)
+    print(f"# {args.json}, {args.plot}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
