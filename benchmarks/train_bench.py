@@ -7,7 +7,11 @@ same data under torchrun on this machine's gloo ranks; they differ only in how e
 layer gets its keys and values: `torch_impl` fetches a sliding layer's W-1 preceding tokens and
 gathers a global layer's whole sequence; `allgather` gathers K and V whole in every layer (as torch's
 context_parallel and NeMo do) and slices the window. Configurations: CP 4 at 4096 tokens per rank
-(16384 in all), and CP 2, 4, 8 at 2048 tokens per rank. The jobs alternate (baseline, library,
+(16384 in all), and CP 2, 4, 8 at 2048 tokens per rank; then examples.train's DeepSeek V3.2
+(sparse attention in every layer, the indexer's top-k = the window) at CP 4, 2048 tokens per rank,
+where torch_impl moves the causal prefix's MLA latents and `allgather` all-gathers the expanded
+per-head K and V (both gather the indexer's keys alike). Both use torch_impl.attention's math. The
+jobs alternate (baseline, library,
 baseline, library, ...) so that drift of this shared machine hits both alike.
 
 The ranks run with make bench's environment (cp_bench.RANK_ENV: one thread, glibc returning freed
@@ -32,17 +36,19 @@ TRANSPORTS = ("allgather", "torch_impl")
 
 
 def configurations(quick):
-    """(cp, tokens per rank) pairs; the first is the headline configuration."""
+    """(model, cp, tokens per rank); the first is the headline configuration, then a CP sweep, then
+    DeepSeek V3.2's sparse attention (its `--window` is the indexer's top-k)."""
     if quick:
-        return [(2, 512)]
-    return [(4, 4096), (2, 2048), (4, 2048), (8, 2048)]
+        return [("gemma3", 2, 512)]
+    gemma = [("gemma3", 4, 4096), ("gemma3", 2, 2048), ("gemma3", 4, 2048), ("gemma3", 8, 2048)]
+    return gemma + [("deepseek_v32", 4, 2048)]
 
 
-def run_job(cp, per_rank, transport, steps, window, workdir):
-    metrics = os.path.join(workdir, f"{cp}-{per_rank}-{transport}-{time.monotonic_ns()}.json")
+def run_job(model, cp, per_rank, transport, steps, window, workdir):
+    metrics = os.path.join(workdir, f"{model}-{cp}-{per_rank}-{transport}-{time.monotonic_ns()}.json")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    command = [torchrun, "--standalone", "--nproc-per-node", str(cp)]
-    command += ["-m", "examples.train", "--cp", str(cp), "--seq-len", str(cp * per_rank)]
+    command = [torchrun, "--standalone", "--nproc-per-node", str(cp), "-m", "examples.train"]
+    command += ["--model", model, "--cp", str(cp), "--seq-len", str(cp * per_rank)]
     command += [
         "--window",
         str(window),
@@ -65,8 +71,8 @@ def run_job(cp, per_rank, transport, steps, window, workdir):
     }
 
 
-def summarize(cp, per_rank, runs):
-    row = {"cp": cp, "tokens_per_rank": per_rank, "seq_len": cp * per_rank}
+def summarize(model, cp, per_rank, runs):
+    row = {"model": model, "cp": cp, "tokens_per_rank": per_rank, "seq_len": cp * per_rank}
     for transport in TRANSPORTS:
         for key in ("step_ms", "peak_mib", "bytes_per_step"):
             row[f"{transport}_{key}"] = statistics.median(r[key] for r in runs[transport])
@@ -76,8 +82,8 @@ def summarize(cp, per_rank, runs):
 
 
 HEADER = (
-    f"{'cp':>3}{'tokens':>8}{'per rank':>9}  {'step ms':>17}{'ratio':>7}  {'peak MiB':>13}{'ratio':>7}"
-    f"  {'MiB received per step':>23}{'ratio':>7}"
+    f"{'model':<13}{'cp':>3}{'tokens':>8}{'per rank':>9}  {'step ms':>17}{'ratio':>7}"
+    f"  {'peak MiB':>13}{'ratio':>7}  {'MiB received per step':>23}{'ratio':>7}"
 )
 
 
@@ -87,8 +93,8 @@ def format_row(r):
         return f"{a:>8{fmt}} / {b:<8{fmt}}{r[f'{key}_ratio']:>7.2f}"
 
     return (
-        f"{r['cp']:>3}{r['seq_len']:>8}{r['tokens_per_rank']:>9}  {pair('step_ms')}  {pair('peak_mib')}"
-        f"  {pair('bytes_per_step', 2**-20, '.2f')}"
+        f"{r['model']:<13}{r['cp']:>3}{r['seq_len']:>8}{r['tokens_per_rank']:>9}  {pair('step_ms')}"
+        f"  {pair('peak_mib')}  {pair('bytes_per_step', 2**-20, '.2f')}"
     )
 
 
@@ -98,8 +104,10 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    last = [r for r in rows if r["model"] == "gemma3"][-1]
     sweep = sorted(
-        (r for r in rows if r["tokens_per_rank"] == rows[-1]["tokens_per_rank"]), key=lambda r: r["cp"]
+        (r for r in rows if r["model"] == "gemma3" and r["tokens_per_rank"] == last["tokens_per_rank"]),
+        key=lambda r: r["cp"],
     )
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for key, label in (("step_ms", "step time"), ("peak_mib", "peak memory"), ("bytes_per_step", "bytes")):
@@ -129,12 +137,13 @@ def main(argv=None):
     rows, started = [], time.perf_counter()
     print(HEADER, flush=True)
     with tempfile.TemporaryDirectory(prefix="bench_train_") as workdir:
-        for cp, per_rank in configurations(args.quick):
+        for model, cp, per_rank in configurations(args.quick):
             runs = {t: [] for t in TRANSPORTS}
             for _ in range(reps):
                 for transport in TRANSPORTS:
-                    runs[transport].append(run_job(cp, per_rank, transport, args.steps, args.window, workdir))
-            rows.append(summarize(cp, per_rank, runs))
+                    job = (model, cp, per_rank, transport, args.steps, args.window, workdir)
+                    runs[transport].append(run_job(*job))
+            rows.append(summarize(model, cp, per_rank, runs))
             print(format_row(rows[-1]), flush=True)
     print(f"# {time.perf_counter() - started:.0f}s in all; ratios: torch_impl / all-gather baseline")
     for path in (args.json, args.plot):

@@ -32,7 +32,18 @@ def fetch_keys(group, key, value, padding, window):
     return key[:, :, first_key:end], value[:, :, first_key:end], padding, first_key  # [B, Hkv, h+L, D]
 
 
+def indexed_attention(module, query, key, value, context, indices=None, scaling=None, **kwargs):
+    """DeepSeek Sparse Attention's keys as other CP code moves them: the expanded per-head K and V,
+    all-gathered (the indexer and the math are torch_impl.hf's)."""
+    context.latents.pop(module.layer_idx)  # the latents torch_impl.hf would move instead
+    key = gather_sequence(key.transpose(1, 2), context.group).transpose(1, 2)  # [B, H, S, Dk]
+    value = gather_sequence(value.transpose(1, 2), context.group).transpose(1, 2)  # [B, H, S, Dv]
+    return hf.attend_selected(query, key, value, context, indices, scaling)
+
+
 def attention(module, query, key, value, attention_mask, **kwargs):
+    if isinstance(attention_mask, hf.IndexedContext):
+        return indexed_attention(module, query, key, value, attention_mask, **kwargs)
     hf.check_call(module, attention_mask)
     padding, window = attention_mask
     documents = kwargs.pop(hf.DOCUMENTS, None)

@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 4 -m examples.train --cp 4 --reference
     torchrun --standalone --nproc-per-node 2 -m examples.train --dp 2 --cp 1   (pure data parallelism)
     python -m examples.train --reference                                        (one process)
-    torchrun ... -m examples.train --dp D --cp C --steps N --seq-len S --model {gemma3,lfm2} [--reference]
+    torchrun ... -m examples.train --dp D --cp C --steps N --seq-len S --model {gemma3,lfm2,deepseek_v32} [--reference]
     two nodes: on each, torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \
                    --rdzv-endpoint HOST:PORT -m examples.train --dp 2 --cp 2 ...
 
@@ -113,12 +113,36 @@ def build_model(name, seq_len, window, dtype, seed=0):
             sliding_window=window,
         )
         model = tf.Gemma3ForCausalLM(config)
+    elif name == "deepseek_v32":
+        layer_types = ["indexed_attention"] * 4  # DeepSeek Sparse Attention in every layer
+        config = tf.DeepseekV32Config(
+            **common | {"num_key_value_heads": 4},  # MLA expands its latents to every head
+            num_hidden_layers=len(layer_types),
+            moe_intermediate_size=64,
+            n_shared_experts=1,
+            n_routed_experts=4,
+            n_group=1,
+            topk_group=1,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            index_topk=window,  # each query attends to the `--window` keys its indexer scores highest
+            index_head_dim=32,
+            index_n_heads=16,
+            use_cache=False,
+        )
+        model = tf.DeepseekV32ForCausalLM(config)
+        model.set_experts_implementation("eager")
     elif name == "lfm2":
         layer_types = ["conv", "conv", "full_attention", "conv", "conv", "full_attention"]
         config = tf.Lfm2Config(**common, num_hidden_layers=len(layer_types), layer_types=layer_types)
         model = tf.Lfm2ForCausalLM(config)
     else:
-        raise ValueError(f"`--model` must be gemma3 or lfm2, got {name!r}")
+        raise ValueError(f"`--model` must be gemma3, lfm2 or deepseek_v32, got {name!r}")
     return model.to(dtype)
 
 
@@ -393,8 +417,10 @@ def parse(argv):
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seq-len", type=int, default=4096, help="global tokens per sequence")
     p.add_argument("--batch", type=int, default=1, help="sequences per DP rank and step")
-    p.add_argument("--model", choices=("gemma3", "lfm2"), default="gemma3")
-    p.add_argument("--window", type=int, default=1536, help="Gemma 3's sliding window (tokens seen)")
+    p.add_argument("--model", choices=("gemma3", "lfm2", "deepseek_v32"), default="gemma3")
+    p.add_argument(
+        "--window", type=int, default=1536, help="Gemma 3's sliding window; DeepSeek V3.2's index_topk"
+    )
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--clip", type=float, default=1.0)

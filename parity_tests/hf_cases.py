@@ -144,6 +144,34 @@ def without_cp(group, name, state, batch):
     )
 
 
+def indexer_scores(group, name, state, batch, query_block):
+    """The largest ReLU output in a forward of a DeepSeek Sparse Attention model: the indexer's
+    float32 scores [B, queries, heads, keys] (the model's MLPs use SiLU), with the indexer's query
+    blocks of `query_block` rows."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if func is torch.ops.aten.relu.default:
+                    Largest.numel = max(Largest.numel, t.numel())
+            return out
+
+    model = hf_models.build(name)
+    model.load_state_dict(state)
+    hf.parallelize(model, group)
+    hf.BlockedIndexer.query_block = query_block
+    try:
+        with Largest():
+            model(**hf.shard_batch(batch, group))
+    finally:
+        hf.BlockedIndexer.query_block = 256
+    return Largest.numel
+
+
 def local_keys(group, batch):
     return sorted(hf.shard_batch(batch, group))
 

@@ -116,8 +116,26 @@ def test_indexed_attention_equals_one_process_float64(pool, name, n):
     keys, batch 2 with a right-padded row; the CP ranks' logits, loss and gradients equal one
     process's (the indexer's parameters get none in either)."""
     ref = reference(name, "float64")
+    config = hf_models.build(name).config
+    latent, index_key = config.kv_lora_rank + config.qk_rope_head_dim, config.index_head_dim
+    L, B = hf_models.SEQ_LEN // n, 2
     for group_results in pool.run(("block", n), hf_cases.cp_step, name, "float64", ref[0], ref[1]):
         assert_matches_reference(group_results, ref, "float64")
+        for r, res in enumerate(group_results):  # bytes: the causal prefix, counted at the c10d calls
+            wanted = {("forward", "inputs", "mask"): B * (n - 1) * L}  # the padding mask, once
+            for i, kind in enumerate(config.indexer_types if name == "glm_moe_dsa" else ["full"] * 2):
+                keys = index_key if kind == "full" else 0  # a shared layer has no indexer
+                wanted[("forward", i, "float64")] = B * r * L * (latent + keys) * 8
+                wanted[("backward", i, "float64")] = B * (n - 1 - r) * L * latent * 8  # latents' grads
+            assert {k: v for k, v in res["received"].items() if v} == {k: v for k, v in wanted.items() if v}
+
+
+def test_the_indexer_scores_one_query_block_at_a_time(pool):
+    """With blocks of 2 queries, the indexer's float32 scores hold 2 x 16 heads x (r+1)*L keys per
+    row (rank 1 of 2: 24 keys), not L = 12 queries' worth."""
+    state, batch, *_ = reference("deepseek_v32", "float64")
+    (results,) = pool.run(("first", 2), hf_cases.indexer_scores, "deepseek_v32", state, batch, 2)
+    assert results == [2 * 2 * 16 * 12, 2 * 2 * 16 * 24]
 
 
 # --- packed sequences ------------------------------------------------------------------------

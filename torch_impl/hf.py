@@ -361,10 +361,16 @@ def indexed_attention(module, query, key, value, context, indices=None, scaling=
     Returns ([B, L, H, Dv], None).
     """
     k_pass, k_rot = context.latents.pop(module.layer_idx)  # [B, 1, L, r], [B, 1, L, dr]
-    L, rank_dims = query.shape[2], k_pass.shape[-1]
+    rank_dims = k_pass.shape[-1]
     prefix = context.prefix(torch.cat([k_pass, k_rot], dim=-1)[:, 0])[:, None]  # [B, 1, (r+1)*L, r+dr]
     key, value = module.expand_kv(prefix[..., :rank_dims], prefix[..., rank_dims:])  # [B, H, (r+1)*L, D]
-    queries = context.start + torch.arange(L, device=query.device)[None, :, None]  # [1, L, 1]
+    return attend_selected(query, key, value, context, indices, scaling)
+
+
+def attend_selected(query, key, value, context, indices, scaling):
+    """query: [B, H, L, Dk] over key/value [B, H, >= (r+1)*L, D] (global rows from 0): each query's
+    selected keys that it may see. Returns ([B, L, H, Dv], None)."""
+    queries = context.start + torch.arange(query.shape[2], device=query.device)[None, :, None]  # [1, L, 1]
     valid = context.visible(queries, indices.long())  # [B, L, k]
     out = selected_attention(query, key, value, indices, valid, scale=scaling)  # [B, H, L, Dv]
     return out.transpose(1, 2).contiguous(), None
