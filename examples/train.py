@@ -3,7 +3,8 @@
     torchrun --standalone --nproc-per-node 4 -m examples.train --cp 4 --reference
     torchrun --standalone --nproc-per-node 2 -m examples.train --dp 2 --cp 1   (pure data parallelism)
     python -m examples.train --reference                                        (one process)
-    torchrun ... -m examples.train --dp D --cp C --steps N --seq-len S --model {gemma3,lfm2,deepseek_v32} [--reference]
+    torchrun ... -m examples.train --dp D --cp C --steps N --seq-len S --model M [--reference]
+        M: gemma3 (default), lfm2, deepseek_v32
     two nodes: on each, torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \
                    --rdzv-endpoint HOST:PORT -m examples.train --dp 2 --cp 2 ...
 
@@ -12,8 +13,9 @@ What it does, in order:
    `init_device_mesh(device, (D, C), mesh_dim_names=("dp", "cp"))`.
 2. The model, from a config with a fixed seed (no downloads): `gemma3` (default) is Gemma 3's text
    model with its 5:1 layout of sliding-window and global layers, the window reaching back over
-   more than one CP shard; `lfm2` is LFM2's short convolutions with global attention. Vocabulary
-   256: the tokens are bytes.
+   more than one CP shard; `lfm2` is LFM2's short convolutions with global attention;
+   `deepseek_v32` is DeepSeek V3.2's sparse attention (MLA, an indexer choosing `--window` keys per
+   query; MoE) in every layer. Vocabulary 256: the tokens are bytes.
 3. Parallelized in torchtitan's order: CP (`hf.parallelize(model, mesh["cp"])`), activation
    checkpointing (`--ac`, with `hf.checkpoint_kwargs()`), per-layer
    `torch.compile(fullgraph=True)` (`--compile`), FSDP2.

@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 
+from benchmarks import dsa_bytes
 from parity_tests import hf_cases, hf_models
 from torch_impl import hf
 
@@ -117,16 +118,15 @@ def test_indexed_attention_equals_one_process_float64(pool, name, n):
     process's (the indexer's parameters get none in either)."""
     ref = reference(name, "float64")
     config = hf_models.build(name).config
-    latent, index_key = config.kv_lora_rank + config.qk_rope_head_dim, config.index_head_dim
     L, B = hf_models.SEQ_LEN // n, 2
     for group_results in pool.run(("block", n), hf_cases.cp_step, name, "float64", ref[0], ref[1]):
         assert_matches_reference(group_results, ref, "float64")
         for r, res in enumerate(group_results):  # bytes: the causal prefix, counted at the c10d calls
             wanted = {("forward", "inputs", "mask"): B * (n - 1) * L}  # the padding mask, once
-            for i, kind in enumerate(config.indexer_types if name == "glm_moe_dsa" else ["full"] * 2):
-                keys = index_key if kind == "full" else 0  # a shared layer has no indexer
-                wanted[("forward", i, "float64")] = B * r * L * (latent + keys) * 8
-                wanted[("backward", i, "float64")] = B * (n - 1 - r) * L * latent * 8  # latents' grads
+            for i, kind in enumerate(getattr(config, "indexer_types", None) or ["full"] * 2):
+                per_row = dsa_bytes.per_layer(config, n, L, r, 8, indexer=kind == "full")
+                for direction in ("forward", "backward"):
+                    wanted[(direction, i, "float64")] = B * per_row[("torch_impl", direction)]
             assert {k: v for k, v in res["received"].items() if v} == {k: v for k, v in wanted.items() if v}
 
 

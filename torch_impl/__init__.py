@@ -11,9 +11,11 @@ x: [batch, L, ...] with the global tokens [r*L, (r+1)*L).
 | `gather_metadata` | all_gather_single               | none (inputs must not require grad)      |
 
 `jax_reference` defines these semantics; the parity suite checks this package against it. The
-autograd Functions `_GatherHalo` and `_GatherSequence` (the names of the API page) are importable
-from here but not public. `torch_impl.hf` makes Hugging Face transformers models context-parallel
-(needs the `[hf]` extra); `torch_impl.traffic` counts the bytes a rank moves.
+autograd Functions `_GatherHalo` and `_GatherSequence` (as the project's API specification names
+them) are importable from here but not public. `torch_impl.attention` is a rank's own causal
+attention over the keys these functions bring (no [L, T] mask); `torch_impl.hf` makes Hugging
+Face transformers models context-parallel (needs the `[hf]` extra); `torch_impl.traffic` counts
+the bytes a rank moves.
 """
 
 from torch_impl.halo import Transfer, gather_halo, halo_plan

@@ -144,7 +144,8 @@ def gather_halo(x, group, halo_size, left_padding=0, *, validate=None):
         halo_size: most preceding tokens to fetch, normally window - 1 (attention) or kernel - 1 (conv).
         left_padding: zero positions made locally before the halo (never sent), e.g. to align a
             key tile with global key coordinates. It may differ between ranks.
-        validate: check first that all CP ranks called with matching inputs (torch_impl.validation).
+        validate: check first that all CP ranks called with matching inputs (see
+            torch_impl.validation); None follows the CP_TRANSPORT_VALIDATE environment variable.
 
     Returns:
         [batch, left_padding + h + local_sequence, ...] with h = min(r * local_sequence, halo_size):

@@ -14,7 +14,8 @@ def gather_metadata(x, group, *, validate=None):
     Args:
         x: [batch, local_sequence, ...] of any dtype (bool, integer, float), not requiring grad.
         group: the CP process group (or a 1-D DeviceMesh), or None for a single rank (no CP).
-        validate: check first that all CP ranks called with matching inputs (torch_impl.validation).
+        validate: check first that all CP ranks called with matching inputs (see
+            torch_impl.validation); None follows the CP_TRANSPORT_VALIDATE environment variable.
 
     Returns:
         [batch, n * local_sequence, ...], dtype of x; x itself without CP. With batch > 1 a strided

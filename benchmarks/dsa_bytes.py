@@ -1,0 +1,61 @@
+"""Bytes a rank receives per DeepSeek Sparse Attention layer under CP, at the released models' sizes.
+
+    python -m benchmarks.dsa_bytes [--n 8] [--local-len 16384] [--item 2]
+
+The sizes are transformers' own defaults of `DeepseekV32Config` and `GlmMoeDsaConfig` (DeepSeek
+V3.2's and GLM-5's released dimensions). On rank r of n, L tokens each, per layer, forward and
+backward (the tests count the same formula at the c10d calls, at their own sizes):
+
+  torch_impl.hf   forward: the causal prefix's MLA latents (kv_lora_rank + rope dims a token) and
+                  indexer keys (index_head_dim), r*L tokens; backward: the latents' gradients of
+                  this rank's L tokens from each of the n-1-r later ranks
+  all-gather K/V  forward: the expanded per-head K and V (heads x (qk_nope + qk_rope + v dims)) of
+                  (n-1)*L tokens, and the same indexer keys; backward: a reduce-scatter, (n-1)*L
+"""
+
+import argparse
+
+
+def per_layer(config, n, L, r, item, indexer=True):
+    """{(transport, direction): bytes} rank r receives for one indexed_attention layer."""
+    latent = config.kv_lora_rank + config.qk_rope_head_dim
+    index = config.index_head_dim if indexer else 0  # GLM-5's shared layers have no indexer
+    heads = config.num_attention_heads
+    expanded = heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
+    return {
+        ("torch_impl", "forward"): r * L * (latent + index) * item,
+        ("torch_impl", "backward"): (n - 1 - r) * L * latent * item,
+        ("allgather", "forward"): ((n - 1) * L * expanded + r * L * index) * item,
+        ("allgather", "backward"): (n - 1) * L * expanded * item,
+    }
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--local-len", type=int, default=16384)
+    p.add_argument("--item", type=int, default=2, help="bytes per value (2: bfloat16)")
+    args = p.parse_args(argv)
+    import transformers as tf
+
+    n, L, item = args.n, args.local_len, args.item
+    print(f"n = {n} ranks, L = {L} tokens per rank (S = {n * L}), {item} bytes a value; per layer and step")
+    header = f"{'model':<15}{'latent':>7}{'K/V':>7}  {'rank':<10}{'torch_impl':>14}"
+    print(f"{header}{'all-gather K/V':>16}{'ratio':>8}")
+    rows = []
+    for name, config in (("DeepSeek V3.2", tf.DeepseekV32Config()), ("GLM-5", tf.GlmMoeDsaConfig())):
+        per_rank = [per_layer(config, n, L, r, item) for r in range(n)]
+        latent = config.kv_lora_rank + config.qk_rope_head_dim
+        expanded = config.num_attention_heads * (
+            config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
+        )
+        for label, pick in (("largest", max), ("all ranks", sum)):
+            ours = pick(b[("torch_impl", "forward")] + b[("torch_impl", "backward")] for b in per_rank)
+            base = pick(b[("allgather", "forward")] + b[("allgather", "backward")] for b in per_rank)
+            print(f"{name:<15}{latent:>7}{expanded:>7}  {label:<10}{ours:>14,}{base:>16,}{ours / base:>8.4f}")
+            rows.append({"model": name, "ranks": label, "torch_impl": ours, "allgather": base})
+    return rows
+
+
+if __name__ == "__main__":
+    main()
