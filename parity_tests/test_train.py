@@ -44,8 +44,9 @@ def run(args, **kwargs):
     [
         ["--cp", "4", "--steps", "3"],
         ["--dp", "2", "--cp", "2", "--model", "lfm2", "--ac", "--dtype", "float64", "--steps", "3"],
+        ["--dp", "2", "--cp", "2", "--model", "deepseek_v32", "--dtype", "float64", "--steps", "3"],
     ],
-    ids=["gemma3-cp4", "lfm2-dp2-cp2-ac-float64"],
+    ids=["gemma3-cp4", "lfm2-dp2-cp2-ac-float64", "deepseek_v32-dp2-cp2-float64"],
 )
 def test_training_equals_one_process(tmp_path, args):
     metrics = tmp_path / "metrics.json"
