@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-block demo-routing test parity lint bench bench-quick bench-train clean
+.PHONY: demo demo-block demo-routing test parity lint bench bench-quick bench-train bench-capacity clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,9 @@ bench-quick: $(STAMP)
 
 bench-train: $(STAMP)
 	$(PY) -m benchmarks.train_bench
+
+bench-capacity: $(STAMP)
+	$(PY) -m benchmarks.rank_capacity
 
 clean:
 	rm -rf $(VENV) out

@@ -58,3 +58,17 @@ def test_train_bench_quick_mode_runs(tmp_path, capsys):
     assert json.loads(json_path.read_text()) == [row] and plot_path.stat().st_size > 10_000
     assert row["torch_impl_bytes_per_step"] < row["allgather_bytes_per_step"]
     assert all(row[f"{t}_{k}"] > 0 for t in train_bench.TRANSPORTS for k in ("step_ms", "peak_mib"))
+
+
+def test_rank_capacity_quick_mode_runs(tmp_path, capsys):
+    """make bench-capacity's quick mode: one CP rank of 8 through the fake process group, every
+    variant in its own process, at 256 tokens per rank (no timing or memory assertions)."""
+    from benchmarks import rank_capacity
+
+    json_path, plot_path = tmp_path / "capacity.json", tmp_path / "capacity.png"
+    rows = rank_capacity.main(["--quick", "--json", str(json_path), "--plot", str(plot_path)])
+    assert [r["variant"] for r in rows] == list(rank_capacity.VARIANTS)
+    assert all(r["L"] == 256 and r["S"] == 8 * 256 and r["ms"] > 0 and r["peak_mib"] > 0 for r in rows)
+    assert json.loads(json_path.read_text())["rows"] == rows
+    assert plot_path.stat().st_size > 10_000
+    assert "| 256 (2048) | torch_impl |" in capsys.readouterr().out
