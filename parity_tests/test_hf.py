@@ -64,9 +64,12 @@ def assert_path(results, name):
     config = hf_models.build(name).config
     kinds = getattr(config, "layer_types", None) or ["attention"] * config.num_hidden_layers
     attentions = sum(kind != "conv" for kind in kinds)
+    fused = (
+        0 if name in hf_models.DENSE or name in hf_models.INDEXED else attentions
+    )  # indexed: selected_attention
     for res in results:
         assert res["paths"] == [hf_models.DENSE.get(name)] * attentions, res["paths"]
-        assert res["fused_calls"] == (0 if name in hf_models.DENSE else attentions)
+        assert res["fused_calls"] == fused
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -156,14 +159,15 @@ def packed_reference(name, with_mask=False):
 @pytest.mark.parametrize(
     "name,n,with_mask",
     [(name, n, False) for name in ("gemma3", "mistral", "llama", "lfm2") for n in (2, 4)]
-    + [("gemma2", 2, False), ("llama", 2, True)],
+    + [("gemma2", 2, False), ("deepseek_v32", 2, False), ("llama", 2, True)],
 )
 def test_packed_sequences_equal_one_process(pool, name, n, with_mask):
     """hf_models.make_packed_batch's documents start mid-shard, on a shard boundary and span shards;
     Mistral's window (14) and Gemma 3's (10) reach across document starts, which must cut them.
     The documents reach the attention as ids made once per forward from the gathered positions
-    (Gemma 2: through its dense-mask fallback). LFM2's convolutions mix across documents, as in one
-    process. With an attention_mask, transformers keeps the whole row causal: so does CP."""
+    (Gemma 2: through its dense-mask fallback; DeepSeek V3.2: its indexer and selected attention).
+    LFM2's convolutions mix across documents, as in one process. With an attention_mask,
+    transformers keeps the whole row causal: so does CP."""
     ref = packed_reference(name, with_mask)
     rel = 1e-6 if name == "gemma2" else None
     gathered = 0 if with_mask else 2 * (n - 1) * (hf_models.SEQ_LEN // n) * 8  # B rows of int64 positions

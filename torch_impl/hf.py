@@ -254,7 +254,7 @@ class IndexedContext:
         self.padding, self.documents = padding, documents  # bool / int [B, S] by global position, or None
         self.latents = {}  # layer index -> (k_pass [B, 1, L, r], k_rot [B, 1, L, dr])
 
-    def update(self, k_pass, k_rot, layer_idx, *args, **kwargs):
+    def update(self, k_pass, k_rot, layer_idx):
         self.latents[layer_idx] = (k_pass, k_rot)
         return k_pass, k_rot
 
@@ -265,12 +265,12 @@ class IndexedContext:
         """bool [B or 1, nq, k]: query global rows `queries` [1, nq, 1] against key rows `keys`
         ([1, 1, T], or [B, nq, k])."""
         ok = keys <= queries
-        for by_position in (self.padding, self.documents):
-            if by_position is None:
-                continue
-            batch = torch.arange(len(by_position), device=keys.device)[:, None, None]  # [B, 1, 1]
-            seen = by_position[batch, keys]
-            ok = ok & (seen if by_position is self.padding else seen == by_position[batch, queries])
+        rows = self.padding if self.padding is not None else self.documents
+        batch = None if rows is None else torch.arange(len(rows), device=keys.device)[:, None, None]
+        if self.padding is not None:
+            ok = ok & self.padding[batch, keys]
+        if self.documents is not None:
+            ok = ok & (self.documents[batch, keys] == self.documents[batch, queries])
         return ok
 
     def prefix(self, x):
