@@ -44,7 +44,7 @@ def coverage(seq_len, n, topk):
     model.eval()
     chosen = {}
     for i, layer in enumerate(model.model.layers):
-        layer.self_attn.indexer.register_forward_hook(lambda m, a, k, out, i=i: chosen.update({i: out[0]}))
+        layer.self_attn.indexer.register_forward_hook(lambda m, args, out, i=i: chosen.update({i: out[0]}))
     with torch.no_grad():
         model(input_ids=Corpus(seq_len).batch(0, 1)["input_ids"], use_cache=False)
     L, shares = seq_len // n, {}
