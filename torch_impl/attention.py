@@ -16,8 +16,8 @@ kernel's workspace; no path builds a mask or score matrix that grows with L * T.
 | CPU    | all                                        | `TiledAttention`: query blocks over key tiles (the  |
 |        |                                            | CPU flash op), merged by log-sum-exp, exact backward|
 
-Not run on a GPU by this project's tests (none was available): the CUDA rows are PyTorch's own
-fused kernels called with the same visibility rule (`mask_mod`), whose forward the tests run on CPU.
+The CUDA rows have not run on a GPU (none was available to this project): they are PyTorch's own
+fused kernels; the tests run the flex row's rule (`mask_mod`) through flex_attention's forward on CPU.
 """
 
 import functools
