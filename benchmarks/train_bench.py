@@ -1,6 +1,6 @@
 """`make bench-train`: examples.train's training step with this library vs the all-gather baseline.
 
-    python -m benchmarks.train_bench [--quick] [--reps 2] [--steps 4] [--json out/bench_train.json]
+    python -m benchmarks.train_bench [--quick] [--reps 2] [--steps 4] [--model M] [--json FILE]
 
 Both transports train the same model (Gemma 3's layout, window 512, examples.train's sizes) on the
 same data under torchrun on this machine's gloo ranks; they differ only in how each attention
@@ -130,6 +130,9 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=None, help="repetitions per transport (default 2)")
     parser.add_argument("--steps", type=int, default=4, help="steps per job; the first is not timed")
     parser.add_argument("--window", type=int, default=512)
+    parser.add_argument(
+        "--model", default=None, help="only this model's configurations (gemma3, deepseek_v32)"
+    )
     parser.add_argument("--json", default="out/bench_train.json")
     parser.add_argument("--plot", default="out/bench_train.png")
     args = parser.parse_args(argv)
@@ -138,6 +141,8 @@ def main(argv=None):
     print(HEADER, flush=True)
     with tempfile.TemporaryDirectory(prefix="bench_train_") as workdir:
         for model, cp, per_rank in configurations(args.quick):
+            if args.model and model != args.model:
+                continue
             runs = {t: [] for t in TRANSPORTS}
             for _ in range(reps):
                 for transport in TRANSPORTS:

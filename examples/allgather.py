@@ -3,9 +3,10 @@
 This is what torch's `context_parallel` (ring or all-gather of the whole K/V, in every attention
 layer) and NeMo's CP paths move: a sliding-window layer gathers all n*L keys and slices its window
 out of them; a DeepSeek Sparse Attention layer gathers its expanded per-head K and V (as CP code
-that gathers the model's K/V would), not its latents. It is not part of the library's API. It registers one more transformers attention
-implementation that differs from torch_impl.hf's only in how keys arrive: the same checks, masks
-and attention math, so that comparisons measure the transport alone.
+that gathers the model's K/V would), not its latents. It is not part of the library's API. It
+registers one more transformers attention implementation that differs from torch_impl.hf's only in
+how keys arrive: the same checks, masks and attention math, so that comparisons measure the
+transport alone.
 
     model = hf.parallelize(model, group)
     model.set_attn_implementation(allgather.IMPLEMENTATION)  # back: hf.IMPLEMENTATION

@@ -1,4 +1,5 @@
-"""torch_impl.attention: one rank's causal attention, against a brute-force statement of the rule.
+"""torch_impl.attention: one rank's causal attention, against a brute-force statement of the rule
+and against the dense-mask path it replaces.
 
 A rank's queries sit at global rows q_start .. q_start + L - 1 and its keys at k_start .. q_start +
 L - 1 (a halo, or a gathered prefix, followed by its own rows). The brute force builds the dense
@@ -51,6 +52,22 @@ def brute_force(q, k, v, q_start, k_start, window, scale, documents, padding):
     return weights @ v
 
 
+def dense_path(q, k, v, q_start, k_start, window, scale, documents, padding):
+    """torch_impl.hf's old math: SDPA on the dense [B, 1, L, T] bool mask of the rule (rows that see
+    nothing: zeros, as the rule says; SDPA would give NaN)."""
+    B, H, L, _ = q.shape
+    T = k.shape[2]
+    rule = attention.mask_mod(q_start, k_start, window, documents, padding)
+    seen = rule(
+        torch.arange(B)[:, None, None], None, torch.arange(L)[None, :, None], torch.arange(T)[None, None]
+    )
+    seen = seen.expand(B, L, T)[:, None]  # [B, 1, L, T]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=seen, scale=scale, enable_gqa=True
+    )
+    return torch.where(seen.any(-1, keepdim=True), out, 0.0)
+
+
 def make_inputs(L, h, B, H, Hkv, documents, padding, seed=0, dtype=torch.float64):
     """Integer-valued q, k, v in [-3, 3] ([B, H, L, D] and [B, Hkv, T, D], from [B, L, H, D] memory
     as models lay them out), sorted document ids and a padding mask with 20% padding."""
@@ -82,6 +99,8 @@ def test_matches_brute_force_forward_and_backward(case, small_tiles):
     ref = brute_force(q, k, v, q_start, q_start - h, window, 0.25, docs, pad)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert (out - ref).abs().max() <= 1e-12
+    dense = dense_path(q, k, v, q_start, q_start - h, window, 0.25, docs, pad)
+    assert (out - dense).abs().max() <= 1e-12  # what torch_impl.hf did before: sdpa on an [L, T] mask
     cotangent = torch.randint(-2, 3, out.shape, generator=torch.Generator().manual_seed(1)).double()
     grads = torch.autograd.grad(out, (q, k, v), cotangent)
     expected = torch.autograd.grad(ref, (q, k, v), cotangent)

@@ -25,6 +25,7 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 # CPU tiles: query rows per block (and key rows per tile that needs a mask), measured fastest here
@@ -293,41 +294,44 @@ KERNELS = {"flash": _flash, "flex": _flex, "tiled": _tiled}
 # --- DeepSeek Sparse Attention: each query over the keys its indexer selected ------------------
 
 
-def selected_attention(query, key, value, indices, valid, *, scale, block=256):
-    """Attention of every query over the keys it selected; differentiable, memory O(block * k).
+def selected_attention(query, key, value, indices, valid, q_start, *, scale, block=256):
+    """Attention of every query over the keys it selected; differentiable, bounded memory.
 
-    query: [B, H, L, Dk]; key: [B, H, T, Dk]; value: [B, H, T, Dv]; indices: int [B, L, k], the key
-    rows each query selected; valid: bool [B, L, k], which of them it may see (the indexer's top-k
-    holds masked keys when a query sees fewer than k). Equal to attention over all T keys with the
-    mask "visible and selected"; a query that sees none of its keys returns zeros. Query blocks are
-    checkpointed: a block's gathered keys [B, block, k, H, Dk] exist only while it runs, in forward
-    and again in backward. Returns [B, H, L, Dv] in query's dtype.
+    query: [B, H, L, Dk] at global rows q_start ..; key: [B, H, T, Dk] and value: [B, H, T, Dv] at
+    global rows 0 .. T-1 (T >= q_start + L); indices: int [B, L, k], the key rows each query
+    selected; valid: bool [B, L, k], which of them it may see (the indexer's top-k holds masked keys
+    when a query sees fewer than k). Equal to attention over all keys with the mask "visible and
+    selected"; a query that sees none of its keys returns zeros. Each block of queries attends with
+    SDPA over the keys up to its last query, under a bool mask made from its indices
+    [B, 1, block, keys], checkpointed: the mask and the scores exist only while the block runs, in
+    forward and again in backward, never for all L queries. (The work is block x keys, not block x k:
+    PyTorch has no kernel that gathers a query's own keys.) Returns [B, H, L, Dv] in query's dtype.
     """
     L = query.shape[2]
-    blocks = [
-        checkpoint(
-            _selected_block,
-            query[:, :, q0 : q0 + block],
-            key,
-            value,
-            indices[:, q0 : q0 + block],
-            valid[:, q0 : q0 + block],
-            scale,
-            use_reentrant=False,
-        )
-        for q0 in range(0, L, block)
-    ]  # [B, H, nq, Dv] each
+    blocks = []
+    for q0 in range(0, L, block):
+        rows = slice(q0, min(q0 + block, L))
+        keys = q_start + rows.stop  # the block's queries see no later key
+        blocks.append(
+            checkpoint(
+                _selected_block,
+                query[:, :, rows],  # [B, H, nq, Dk]
+                key[:, :, :keys],  # [B, H, keys, Dk]
+                value[:, :, :keys],  # [B, H, keys, Dv]
+                indices[:, rows],  # [B, nq, k]
+                valid[:, rows],  # [B, nq, k]
+                scale,
+                use_reentrant=False,
+            )
+        )  # [B, H, nq, Dv]
     return torch.cat(blocks, dim=2)
 
 
 def _selected_block(query, key, value, indices, valid, scale):
-    """One query block: gather each query's k keys and values, softmax over the valid ones."""
-    B = query.shape[0]
-    rows = torch.arange(B, device=indices.device)[:, None, None], indices.long()  # [B, 1, 1], [B, nq, k]
-    keys = key.transpose(1, 2)[rows]  # [B, nq, k, H, Dk]
-    values = value.transpose(1, 2)[rows]  # [B, nq, k, H, Dv]
-    work = torch.float64 if query.dtype == torch.float64 else torch.float32
-    scores = torch.einsum("bhqd,bqkhd->bhqk", query.to(work), keys.to(work)) * scale  # [B, H, nq, k]
-    scores = scores.masked_fill(~valid[:, None], -math.inf)
-    weights = torch.where(valid[:, None].any(-1, keepdim=True), scores.softmax(-1), 0.0)  # [B, H, nq, k]
-    return torch.einsum("bhqk,bqkhd->bhqd", weights, values.to(work)).to(query.dtype)  # [B, H, nq, Dv]
+    """One query block: SDPA under the mask of each query's valid selected keys."""
+    B, nq, T = indices.shape[0], indices.shape[1], key.shape[2]
+    chosen = torch.where(valid, indices.long(), T)  # invalid picks go to a spare column, cut below
+    mask = torch.zeros(B, nq, T + 1, dtype=torch.bool, device=key.device).scatter_(-1, chosen, True)
+    mask = mask[:, None, :, :T]  # [B, 1, nq, T]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+    return torch.where(mask.any(-1, keepdim=True), out, 0.0)  # [B, H, nq, Dv]

@@ -372,7 +372,7 @@ def attend_selected(query, key, value, context, indices, scaling):
     selected keys that it may see. Returns ([B, L, H, Dv], None)."""
     queries = context.start + torch.arange(query.shape[2], device=query.device)[None, :, None]  # [1, L, 1]
     valid = context.visible(queries, indices.long())  # [B, L, k]
-    out = selected_attention(query, key, value, indices, valid, scale=scaling)  # [B, H, L, Dv]
+    out = selected_attention(query, key, value, indices, valid, context.start, scale=scaling)  # [B, H, L, Dv]
     return out.transpose(1, 2).contiguous(), None
 
 
