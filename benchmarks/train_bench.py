@@ -104,10 +104,11 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    last = [r for r in rows if r["model"] == "gemma3"][-1]
+    gemma = [r for r in rows if r["model"] == "gemma3"]
+    if not gemma:
+        return
     sweep = sorted(
-        (r for r in rows if r["model"] == "gemma3" and r["tokens_per_rank"] == last["tokens_per_rank"]),
-        key=lambda r: r["cp"],
+        (r for r in gemma if r["tokens_per_rank"] == gemma[-1]["tokens_per_rank"]), key=lambda r: r["cp"]
     )
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for key, label in (("step_ms", "step time"), ("peak_mib", "peak memory"), ("bytes_per_step", "bytes")):
