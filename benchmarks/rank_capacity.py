@@ -211,13 +211,15 @@ def plot(rows, path, device):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    styles = {"alone": ("o-", 1.5), "torch_impl": ("s-", 4), "dense": ("^-", 1.5), "allgather": ("x--", 1.5)}
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for variant in VARIANTS:
+    for variant in VARIANTS:  # allgather's dashed line lies on torch_impl's thick one
         points = sorted(
             (r["L"], r["peak_mib"]) for r in rows if r.get("variant") == variant and "peak_mib" in r
         )
         if points:
-            ax.plot(*zip(*points, strict=True), "o-", label=variant)
+            style, width = styles[variant]
+            ax.plot(*zip(*points, strict=True), style, lw=width, label=variant)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per rank L (rank n-1 of n)")
     ax.set_ylabel("peak MiB above weights and gradients" if device == "cuda" else "peak resident MiB rise")

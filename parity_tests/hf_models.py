@@ -110,6 +110,24 @@ def _configs():
         "t5": lambda: tf.T5ForConditionalGeneration(
             tf.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=1, num_heads=4)
         ),
+        "deepseek_v4": lambda: tf.DeepseekV4ForCausalLM(  # compressed sparse attention
+            tf.DeepseekV4Config(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                moe_intermediate_size=16,
+                num_hidden_layers=2,
+                layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+                num_attention_heads=4,
+                head_dim=16,
+                q_lora_rank=16,
+                o_lora_rank=16,
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                index_head_dim=16,
+                qk_rope_head_dim=8,
+                index_topk=4,
+            )
+        ),
         "gemma3_bidirectional": lambda: tf.Gemma3ForCausalLM(
             tf.Gemma3TextConfig(**_small(num_hidden_layers=1), use_bidirectional_attention=True)
         ),
@@ -124,6 +142,7 @@ REFUSED = {  # model -> what the error names
     "mamba": "(MambaForCausalLM) carries recurrent state",
     "t5": "encoder.block.0.layer.0.SelfAttention (T5Attention) is bidirectional or cross attention",
     "gemma3_bidirectional": "model.layers.0.self_attn (Gemma3Attention) is bidirectional",
+    "deepseek_v4": "is a 'compressed_sparse_attention' layer; supported:",
 }
 
 
