@@ -39,8 +39,11 @@ def cp_step(group, name, dtype, state, batch, mode="eval"):
     if mode == "eval":
         tag_layers(counter, model.model.layers)
         counter.tag = ("forward", "inputs")  # before the first layer: the model's inputs (positions)
-    fused = CallCounter(hf, "causal_attention")
-    with fused, counter if mode == "eval" else nullcontext():
+    fused = CallCounter(hf, "causal_attention")  # eager only: a compiled graph cannot count calls
+    with (
+        fused if mode != "train_ac_compiled" else nullcontext(),
+        counter if mode == "eval" else nullcontext(),
+    ):
         out = model(**local)
         out.loss.backward()
     received = {}
