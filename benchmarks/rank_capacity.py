@@ -138,7 +138,7 @@ def run_cpu(args, lens):
 
     rows = []
     for L in lens:
-        for variant in VARIANTS:  # interleaved per L, so that drift hits every variant alike
+        for variant in args.variants.split(","):  # interleaved per L: drift hits every variant alike
             command = [sys.executable, "-m", "benchmarks.rank_capacity", "--child", variant]
             command += ["--child-len", str(L), *forwarded(args)]
             done = subprocess.run(
@@ -155,7 +155,7 @@ def run_cpu(args, lens):
 def run_cuda(args, lens):
     """Every variant in this process; after the given lengths, the largest L that fits (doubling)."""
     device, rows = torch.device("cuda"), []
-    for variant in VARIANTS:
+    for variant in args.variants.split(","):
         L, fits = lens[0], None
         while True:
             try:
@@ -240,6 +240,7 @@ def parse(argv):
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--variants", default=",".join(VARIANTS), help="a comma-separated subset")
     p.add_argument("--find-limit", action="store_true", help="CUDA: double L until out of memory")
     p.add_argument("--quick", action="store_true", help="one small length, one repetition (the tests)")
     p.add_argument("--json", default="out/rank_capacity.json")
@@ -247,6 +248,9 @@ def parse(argv):
     p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--child-len", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        p.error(f"--variants: unknown {sorted(unknown)}; choose from {VARIANTS}")
     if args.dtype is None:
         args.dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     if args.quick:

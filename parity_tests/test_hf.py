@@ -118,11 +118,12 @@ def test_compiled_layers_with_activation_checkpointing(pool):
 def test_indexed_attention_equals_one_process_float64(pool, name, n):
     """DeepSeek V3.2 and GLM-5 (layer 1 reusing layer 0's top-k): the indexer picks 5 of up to 24
     keys, batch 2 with a right-padded row; the CP ranks' logits, loss and gradients equal one
-    process's (the indexer's parameters get none in either)."""
+    process's (the indexer's parameters get none in either). One group of ranks (every group of
+    the layout runs in the tests above)."""
     ref = reference(name, "float64")
     config = hf_models.build(name).config
     L, B = hf_models.SEQ_LEN // n, 2
-    for group_results in pool.run(("block", n), hf_cases.cp_step, name, "float64", ref[0], ref[1]):
+    for group_results in pool.run(("first", n), hf_cases.cp_step, name, "float64", ref[0], ref[1]):
         assert_matches_reference(group_results, ref, "float64")
         for r, res in enumerate(group_results):  # bytes: the causal prefix, counted at the c10d calls
             wanted = {("forward", "inputs", "mask"): B * (n - 1) * L}  # the padding mask, once
@@ -171,7 +172,7 @@ def test_packed_sequences_equal_one_process(pool, name, n, with_mask):
     ref = packed_reference(name, with_mask)
     rel = 1e-6 if name == "gemma2" else None
     gathered = 0 if with_mask else 2 * (n - 1) * (hf_models.SEQ_LEN // n) * 8  # B rows of int64 positions
-    for group_results in pool.run(("block", n), hf_cases.cp_step, name, "float64", ref[0], ref[1]):
+    for group_results in pool.run(("first", n), hf_cases.cp_step, name, "float64", ref[0], ref[1]):
         assert_matches_reference(group_results, ref, "float64", rel=rel)
         assert_path(group_results, name)
         for res in group_results:  # once per forward, before the layers
