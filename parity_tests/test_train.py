@@ -44,7 +44,7 @@ def run(args, **kwargs):
     [
         ["--cp", "4", "--steps", "3"],
         ["--dp", "2", "--cp", "2", "--model", "lfm2", "--ac", "--dtype", "float64", "--steps", "3"],
-        ["--dp", "2", "--cp", "2", "--model", "deepseek_v32", "--dtype", "float64", "--steps", "3"],
+        ["--dp", "2", "--cp", "2", "--model", "deepseek_v32", "--dtype", "float64", "--steps", "2"],
     ],
     ids=["gemma3-cp4", "lfm2-dp2-cp2-ac-float64", "deepseek_v32-dp2-cp2-float64"],
 )
@@ -55,7 +55,8 @@ def test_training_equals_one_process(tmp_path, args):
     )
     assert code == 0 and "EQUAL: largest difference" in out, out[-3000:]
     m = json.loads(metrics.read_text())
-    assert m["losses"].keys() == m["reference_losses"].keys() == {"1", "2", "3"}
+    steps = int(args[args.index("--steps") + 1])
+    assert m["losses"].keys() == m["reference_losses"].keys() == {str(s + 1) for s in range(steps)}
     assert (tmp_path / "f.png").stat().st_size > 10_000
     ours, base = m["received_per_layer"]["torch_impl"], m["received_per_layer"]["allgather"]
     assert len(ours) == 4  # per rank, per layer: never more than the all-gather of K and V
