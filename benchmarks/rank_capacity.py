@@ -27,7 +27,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from examples.memory import peak_mib, reset_peak
 
 VARIANTS = ("alone", "torch_impl", "dense", "allgather")
 
@@ -89,11 +90,6 @@ def prepare(variant, args, L, device):
     return model, hf.shard_batch({"input_ids": ids, "labels": ids}, dist.group.WORLD)
 
 
-def _status_mib(field):
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1)) / 1024
-
-
 def measure(variant, args, L, device):
     """{"peak_mib", "ms"}: peak memory of a forward+backward above the warmed-up model with its
     gradients, and the median time of args.reps of them."""
@@ -109,12 +105,7 @@ def measure(variant, args, L, device):
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
-        import gc
-
-        gc.collect()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # the high-water mark restarts from the current resident set
-        base = _status_mib("VmRSS")
+        base = reset_peak()  # the resident set's high-water mark restarts from here
     times = []
     for _ in range(args.reps):
         began = time.perf_counter()
@@ -123,7 +114,7 @@ def measure(variant, args, L, device):
     if device.type == "cuda":
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     else:
-        peak = _status_mib("VmHWM") - base
+        peak = peak_mib() - base
     return {"peak_mib": peak, "ms": 1000 * statistics.median(times)}
 
 
