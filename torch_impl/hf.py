@@ -265,8 +265,8 @@ class IndexedContext:
         """bool [B or 1, nq, k]: query global rows `queries` [1, nq, 1] against key rows `keys`
         ([1, 1, T], or [B, nq, k])."""
         ok = keys <= queries
-        rows = self.padding if self.padding is not None else self.documents
-        batch = None if rows is None else torch.arange(len(rows), device=keys.device)[:, None, None]
+        per_token = self.padding if self.padding is not None else self.documents
+        batch = None if per_token is None else torch.arange(len(per_token), device=keys.device)[:, None, None]
         if self.padding is not None:
             ok = ok & self.padding[batch, keys]
         if self.documents is not None:
@@ -431,7 +431,7 @@ class ModelInputs:
         tokens = argument("input_ids")
         tokens = argument("inputs_embeds") if tokens is None else tokens
         (B, L), cache, positions = tokens.shape[:2], argument("past_key_values"), argument("position_ids")
-        error = self.check(module, cache)
+        error = self.check(module, cache, argument("attention_mask"))
         if validation.enabled(None) and not torch.compiler.is_compiling():  # no rank left waiting
             failed = validation.failed_ranks(error is None, tokens, self.group)
             if failed and error is None:
@@ -463,8 +463,13 @@ class ModelInputs:
         return args, kwargs if documents is None else kwargs | {DOCUMENTS: documents}
 
     @staticmethod
-    def check(module, cache):
+    def check(module, cache, mask):
         """What is wrong with this rank's inputs, or None."""
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.ndim != 2):
+            return (
+                f"`{IMPLEMENTATION}`: `attention_mask` must be the 2-D padding mask [B, L]; custom 4-D masks "
+                "(or prepared mask dicts) cannot be split across CP ranks"
+            )
         if cache is not None and cache.get_seq_length() > 0:
             return (
                 f"`{IMPLEMENTATION}`: {type(module).__name__} was called with a KV cache holding tokens; "
