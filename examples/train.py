@@ -88,7 +88,6 @@ from torch_impl.traffic import PayloadCounter, tag_layers
 TOLERANCE = {"float64": 2e-6, "float32": 1e-4}
 IMPLEMENTATIONS = {"torch_impl": hf.IMPLEMENTATION, "allgather": allgather.IMPLEMENTATION}  # --transport
 VOCAB = 256
-JOB_START = time.perf_counter()  # reset by main()
 
 
 def log(text):
@@ -446,8 +445,7 @@ def parse(argv):
 
 
 def main(argv=None):
-    global JOB_START
-    JOB_START = time.perf_counter()
+    job_start = time.perf_counter()
     args = parse(argv)
     use_cuda = torch.cuda.is_available()
     backend = "nccl" if use_cuda else "gloo"
@@ -477,10 +475,12 @@ def main(argv=None):
     rank = dist.get_rank()
     gc.collect()  # the FSDP model's reference cycles, with any gloo work they hold, while gloo is up
     dist.destroy_process_group()  # every rank at once; the report and the reference are one process's
-    return report(args, corpus, device, losses, times, elapsed, per_rank, params) if rank == 0 else 0
+    return (
+        report(args, corpus, device, losses, times, elapsed, per_rank, params, job_start) if rank == 0 else 0
+    )
 
 
-def report(args, corpus, device, losses, times, elapsed, per_rank, params):
+def report(args, corpus, device, losses, times, elapsed, per_rank, params, job_start):
     """Rank 0: transport bytes, memory and speed; with --reference the one-process run and the verdict."""
     peaks = [peak for peak, _ in per_rank]
     received = {t: [r[t] for _, r in per_rank] for t in per_rank[0][1]}
@@ -522,7 +522,7 @@ def report(args, corpus, device, losses, times, elapsed, per_rank, params):
         print(f"figure: {args.figure}")
         metrics["reference_losses"] = one
         status = 0 if worst <= tolerance else 1
-    print(f"job: {time.perf_counter() - JOB_START:.1f}s from the start of main, the reference included")
+    print(f"job: {time.perf_counter() - job_start:.1f}s from the start of main, the reference included")
     if args.metrics:
         os.makedirs(os.path.dirname(args.metrics) or ".", exist_ok=True)
         Path(args.metrics).write_text(json.dumps(metrics, indent=1))
