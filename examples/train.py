@@ -19,12 +19,11 @@ What it does, in order:
 3. Parallelized in torchtitan's order: CP (`hf.parallelize(model, mesh["cp"])`), activation
    checkpointing (`--ac`, with `hf.checkpoint_kwargs()`), per-layer
    `torch.compile(fullgraph=True)` (`--compile`), FSDP2.
-   FSDP2 (`fully_shard`) shards every decoder layer and the root over the flattened dp x cp mesh,
-   with gradient divide factor 1: each rank's loss is already its share of the global mean
-   (`num_items_in_batch` counts the valid labels of all DP batches), so the summed gradients are
-   exactly the one-process gradients. FSDP2 is exact on gloo (its reduce-scatter sums in the
-   parameters' dtype, as one process's backward does); DDP would need a comm hook to undo its
-   average, and replicates the optimizer state.
+   FSDP2 (`hf.apply_fsdp`, `fully_shard`) shards every decoder layer and the root over the
+   flattened dp x cp mesh, with gradient divide factor 1 (`global_num_items=True`): each rank's
+   loss is already its share of the global mean (`num_items_in_batch` counts the valid labels of
+   all DP batches), so the summed gradients are exactly the one-process gradients. FSDP2 is exact
+   on gloo (its reduce-scatter sums in the parameters' dtype, as one process's backward does).
 4. Data: the standard library's own `.py` files, sorted by name, as bytes; step k's batch is the
    rows k*D*B .. (k+1)*D*B - 1 of S tokens each, DP rank d taking B of them.
 5. AdamW with gradient clipping; a progress bar and one log line per step (step, loss, tokens/s).
@@ -78,7 +77,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from examples import allgather
 from examples.memory import peak_mib, reset_peak
@@ -197,15 +195,8 @@ def apply_compile(model):
 
 
 def apply_fsdp(model, mesh):
-    dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=dp_cp)
-    fully_shard(model, mesh=dp_cp)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)  # sum: each rank's loss is its share of the mean
-            module.set_force_sum_reduction_for_comms(True)  # ReduceOp.SUM (gloo has no PREMUL_SUM)
-    log(f"Applied FSDP2 over the flattened dp x cp mesh ({dp_cp.size()} ranks), gradients summed")
+    hf.apply_fsdp(model, mesh, global_num_items=True)  # each rank's loss: its share of the global mean
+    log(f"Applied FSDP2 over the flattened dp x cp mesh ({mesh.size()} ranks), gradients summed")
 
 
 # --- one step ----------------------------------------------------------------------------------
@@ -238,7 +229,8 @@ def measure_transport(model, local, transports):
             handle.remove()
         per_layer = [0] * len(model.model.layers)
         for call in counter.log:
-            per_layer[call.tag[1]] += call.received
+            if call.tag is not None:  # None: before the first layer (the inputs' cross-rank check)
+                per_layer[call.tag[1]] += call.received
         report[transport] = per_layer
         model.zero_grad(set_to_none=True)
     model.set_attn_implementation(chosen)

@@ -1,7 +1,6 @@
 """What each gloo rank runs for the hf tests: a tiny transformers model made CP by torch_impl.hf."""
 
 from contextlib import nullcontext
-import os
 
 import torch
 import torch.distributed as dist
@@ -9,7 +8,7 @@ from transformers import DynamicCache
 
 from parity_tests import hf_models
 import torch_impl
-from torch_impl import hf, validation
+from torch_impl import hf
 from torch_impl.traffic import PayloadCounter, tag_layers
 
 
@@ -120,14 +119,47 @@ def unsupported_call(group, name, state, batch, call):
     elif call == "4d_mask":
         L = local["input_ids"].shape[1]
         kwargs = {"input_ids": local["input_ids"], "attention_mask": torch.ones(2, 1, L, L, dtype=torch.bool)}
-    os.environ[validation.ENV_VAR] = "1"  # ranks whose own inputs look right must raise too
-    try:
+    try:  # parallelize's cross-rank check is on by default: ranks whose own inputs look right raise too
         model(**kwargs)
         return None
     except ValueError as e:
         return str(e)
-    finally:
-        os.environ.pop(validation.ENV_VAR)
+
+
+def mismatched_inputs(group, name, state, batch, case):
+    """Rank 0 and rank 1 given inconsistent inputs (without the check, the first mismatched
+    collective hangs, aborts the process in gloo, or returns garbage): the ValueError on each rank."""
+    model = hf_models.build(name)
+    model.load_state_dict(state)
+    hf.parallelize(model, group)
+    first = dist.get_rank(group) == 0
+    if case == "longer_on_rank_0":  # rank 0 shards a 48-token batch, rank 1 the 24-token one
+        long = {key: torch.cat([value, value], dim=1) for key, value in batch.items()}
+        local = hf.shard_batch(long if first else batch, group)
+    elif case == "mask_on_rank_0_only":
+        local = hf.shard_batch(
+            batch if first else {k: v for k, v in batch.items() if k != "attention_mask"}, group
+        )
+    try:
+        model(**local)
+        return None
+    except ValueError as e:
+        return str(e)
+
+
+def inputs_check_traffic(group, name, state, batch, validate):
+    """The c10d calls made before the first decoder layer (the inputs' cross-rank check), and the
+    logits, with parallelize(validate=...)."""
+    model = hf_models.build(name)
+    model.load_state_dict(state)
+    model.eval()
+    hf.parallelize(model, group, validate=validate, verbose=False)
+    counter = PayloadCounter()
+    tag_layers(counter, model.model.layers)
+    with counter:
+        logits = model(**hf.shard_batch(batch, group)).logits
+    before = [(call.op, call.received) for call in counter.log if call.tag is None]
+    return before, logits.detach(), model.cp_transport_paths
 
 
 def without_cp(group, name, state, batch):

@@ -25,6 +25,11 @@ from torch_impl import hf
 TOLERANCE = {"float64": (1e-9, 1e-6), "float32": (1e-5, 1e-5)}  # (logits abs, loss/grads rel)
 
 
+def check_bytes(n):
+    """What the model's cross-rank input check receives: 9 int64s (a verdict and 8 fields) a peer."""
+    return (n - 1) * 9 * 8
+
+
 def reference(name, dtype):
     """(state_dict, batch, logits, loss, grads) of the model in one process, eval mode."""
     model = hf_models.build(name, getattr(torch, dtype))
@@ -127,6 +132,7 @@ def test_indexed_attention_equals_one_process_float64(pool, name, n):
         assert_matches_reference(group_results, ref, "float64")
         for r, res in enumerate(group_results):  # bytes: the causal prefix, counted at the c10d calls
             wanted = {("forward", "inputs", "mask"): B * (n - 1) * L}  # the padding mask, once
+            wanted[("forward", "inputs", "int64")] = check_bytes(n)
             for i, kind in enumerate(getattr(config, "indexer_types", None) or ["full"] * 2):
                 per_row = dsa_bytes.per_layer(config, n, L, r, 8, indexer=kind == "full")
                 for direction in ("forward", "backward"):
@@ -172,6 +178,7 @@ def test_packed_sequences_equal_one_process(pool, name, n, with_mask):
     ref = packed_reference(name, with_mask)
     rel = 1e-6 if name == "gemma2" else None
     gathered = 0 if with_mask else 2 * (n - 1) * (hf_models.SEQ_LEN // n) * 8  # B rows of int64 positions
+    gathered += check_bytes(n)
     for group_results in pool.run(("first", n), hf_cases.cp_step, name, "float64", ref[0], ref[1]):
         assert_matches_reference(group_results, ref, "float64", rel=rel)
         assert_path(group_results, name)
@@ -314,6 +321,46 @@ def test_calls_that_cannot_be_exact_raise_on_every_rank(pool, call, says):
     for group_results in pool.run(("block", 2), hf_cases.unsupported_call, "llama", state, batch, call):
         for message, expected in zip(group_results, says, strict=True):
             assert message is not None and expected in message, message
+
+
+@pytest.mark.parametrize(
+    "case,says",
+    [
+        ("longer_on_rank_0", "rank 0: batch=2, local tokens=24, inputs_embeds=0"),
+        (
+            "mask_on_rank_0_only",
+            "rank 0: batch=2, local tokens=12, inputs_embeds=0, embedding width=0, attention_mask=1",
+        ),
+    ],
+)
+def test_ranks_given_different_inputs_raise_on_every_rank(pool, case, says):
+    """On by default (no environment variable): one all-gather of each rank's input signature at
+    the model's first hook turns a hang, a gloo abort or inconsistent shards into a ValueError on
+    both ranks, naming what differs."""
+    state, batch, *_ = reference("llama", "float64")
+    for group_results in pool.run(("block", 2), hf_cases.mismatched_inputs, "llama", state, batch, case):
+        for message in group_results:
+            assert message is not None and "CP ranks were given different inputs" in message, message
+            assert says in message, message
+
+
+def test_the_inputs_check_is_one_small_collective_and_can_be_turned_off(pool):
+    """validate=True (the default): one all-gather of 9 int64s before the first layer, and the same
+    logits as validate=False, which makes no collective there. The paths are kept on the model."""
+    state, batch, *_ = reference("gemma3", "float64")
+    n = 2
+    runs = {
+        v: pool.run(("block", n), hf_cases.inputs_check_traffic, "gemma3", state, batch, v)
+        for v in (True, False)
+    }
+    for checked, unchecked in zip(runs[True], runs[False], strict=True):
+        for (before, logits, paths), (before_off, logits_off, _) in zip(checked, unchecked, strict=True):
+            assert before == [("_allgather_base_", check_bytes(n))] and before_off == []
+            assert torch.equal(logits, logits_off)
+            assert paths == {
+                "sliding_attention": "torch_impl.attention",
+                "full_attention": "torch_impl.attention",
+            }
 
 
 def test_shard_batch_requires_divisible_length(pool):

@@ -61,6 +61,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from torch_impl import _group, validation
 from torch_impl.attention import causal_attention, selected_attention
+from torch_impl.data_parallel import apply_ddp as apply_ddp  # hf.apply_ddp
+from torch_impl.data_parallel import apply_fsdp as apply_fsdp  # hf.apply_fsdp
+from torch_impl.data_parallel import gradient_divide_factor as gradient_divide_factor
 from torch_impl.halo import gather_halo
 from torch_impl.metadata import gather_metadata
 from torch_impl.sequence import gather_sequence
@@ -421,30 +424,38 @@ class ModelInputs:
     - indexed_attention models get one `IndexedContext` as their mask and cache, with the padding
       mask gathered once per forward ([B, S]) and the documents.
     - a KV cache that already holds tokens is refused (each rank's cache would hold its own keys).
+    - with `validate` (parallelize's default), the ranks first compare their inputs in one
+      all-gather of a few integers (`signature`): ranks given different shapes or arguments, or
+      one whose own inputs were refused, raise ValueError on every rank instead of hanging or
+      returning inconsistent shards. Skipped inside torch.compile (it reads the result on the host).
     """
 
-    def __init__(self, module, group, indexed):
+    def __init__(self, module, group, indexed, validate):
         self.group, self.arguments, self.indexed = group, Arguments(module.forward), indexed
+        self.validate = validate
 
     def __call__(self, module, args, kwargs):
         argument = partial(self.arguments.get, args, kwargs)
         tokens = argument("input_ids")
         tokens = argument("inputs_embeds") if tokens is None else tokens
         (B, L), cache, positions = tokens.shape[:2], argument("past_key_values"), argument("position_ids")
-        error = self.check(module, cache, argument("attention_mask"))
-        if validation.enabled(None) and not torch.compiler.is_compiling():  # no rank left waiting
-            failed = validation.failed_ranks(error is None, tokens, self.group)
-            if failed and error is None:
+        padding, creates_cache = argument("attention_mask"), _creates_cache(module, argument)
+        error = self.check(module, cache, padding)
+        if self.validate and not torch.compiler.is_compiling():  # no rank left waiting
+            fields = self.signature(argument, tokens, creates_cache)
+            failed, differ = validation.compare_ranks(error is None, fields, tokens, self.group)
+            if error is None and failed:
                 error = f"`{IMPLEMENTATION}`: CP ranks {failed} rejected their inputs"
+            elif error is None and differ:
+                error = (
+                    f"`{IMPLEMENTATION}`: CP ranks were given different inputs (1: passed, 0: not): "
+                    f"{differ}; every rank must get its shard of the same global batch "
+                    "(torch_impl.hf.shard_batch)"
+                )
         if error:
             raise ValueError(error)
-        padding, documents = argument("attention_mask"), None
-        if (
-            positions is not None
-            and padding is None
-            and cache is None
-            and not _creates_cache(module, argument)
-        ):
+        documents = None
+        if positions is not None and padding is None and cache is None and not creates_cache:
             everywhere = gather_metadata(positions.expand(B, -1).contiguous(), self.group)  # [B, S]
             documents = find_packed_sequence_indices(everywhere)  # [B, S], or None: no position restarts
         positions = global_positions(self.group, L, tokens.device) if positions is None else positions
@@ -461,6 +472,22 @@ class ModelInputs:
             )
         args, kwargs = self.arguments.replace(args, kwargs, position_ids=positions)
         return args, kwargs if documents is None else kwargs | {DOCUMENTS: documents}
+
+    @staticmethod
+    def signature(argument, tokens, creates_cache):
+        """What must be the same on every CP rank: the shard's shape, which inputs were passed, and
+        whether the model makes a cache (which decides whether packed positions are gathered)."""
+        embeds = argument("input_ids") is None
+        return {
+            "batch": tokens.shape[0],
+            "local tokens": tokens.shape[1],
+            "inputs_embeds": int(embeds),
+            "embedding width": tokens.shape[-1] if embeds else 0,
+            "attention_mask": int(argument("attention_mask") is not None),
+            "position_ids": int(argument("position_ids") is not None),
+            "past_key_values": int(argument("past_key_values") is not None),
+            "use_cache": int(creates_cache),
+        }
 
     @staticmethod
     def check(module, cache, mask):
@@ -643,7 +670,8 @@ def _plan(model, group):
 
 
 def apply_attention(model, attentions):
-    """Every attention module gets its plan; the model switches to the registered implementation."""
+    """Every attention module gets its plan; the model switches to the registered implementation.
+    Returns which math each layer kind takes."""
     paths = {}
     for module, plan in attentions:
         module.context_parallel = plan
@@ -654,15 +682,16 @@ def apply_attention(model, attentions):
             if module.indexer is not None:
                 _blocked(module.indexer)
     model.set_attn_implementation(IMPLEMENTATION)
-    log.info("cp_transport attention: %s", "; ".join(f"{kind}: {path}" for kind, path in paths.items()))
+    return paths
 
 
-def apply_inputs(model, group):
-    """The base model's inputs: global positions, documents, indexed_attention's context, and the
-    refusal of a filled KV cache; its output does not carry the context on as a cache."""
+def apply_inputs(model, group, validate):
+    """The base model's inputs: global positions, documents, indexed_attention's context, the
+    refusal of a filled KV cache and (validate) the cross-rank check; its output does not carry the
+    context on as a cache."""
     base = model.base_model
     indexed = INDEXED in (getattr(base.config, "layer_types", None) or ())
-    base.register_forward_pre_hook(ModelInputs(base, group, indexed), with_kwargs=True)
+    base.register_forward_pre_hook(ModelInputs(base, group, indexed, validate), with_kwargs=True)
     if indexed:
         base.register_forward_hook(_drop_context)
 
@@ -673,19 +702,28 @@ def _drop_context(module, args, output):
 
 
 def apply_short_conv(convs, group):
-    """Every short convolution gets the hooks that fetch its K-1 preceding tokens."""
+    """Every short convolution gets the hooks that fetch its K-1 preceding tokens. Returns which
+    path they take."""
     for module in convs:
         halo = ShortConvHalo(module, group)
         module.register_forward_pre_hook(halo.before, with_kwargs=True)
         module.register_forward_hook(halo.after, with_kwargs=True)
+    return {type(module).__name__: "its own forward over a halo of kernel - 1 tokens" for module in convs}
 
 
-def parallelize(model, group):
+def parallelize(model, group, *, validate=True, verbose=True):
     """Make a transformers causal LM context-parallel over `group`, in place; returns the model.
 
     Every check runs before anything changes and before any communication, identically on every
     rank: a layer that cannot be made exact raises `ValueError` naming it and why. Without CP
     (`group` None or of size 1) the model is returned untouched.
+
+    validate: at every forward, before any other communication, the CP ranks compare their inputs
+        (the shard's shape, which arguments were passed) in one all-gather of a few integers, and
+        raise `ValueError` on every rank where they differ or some rank's were refused. False
+        skips that collective (it is skipped inside torch.compile either way).
+    verbose: print on global rank 0 one line saying which path each layer kind takes. Either way it is
+        logged (`torch_impl.hf`, INFO) and kept as `model.cp_transport_paths` ({layer kind: path}).
     """
     group = _group.resolve_group(group)
     if _group.world_size(group) == 1:
@@ -693,9 +731,17 @@ def parallelize(model, group):
     if model.config._attn_implementation == IMPLEMENTATION:
         raise _refuse("", model, "is already context-parallel")
     attentions, convs = _plan(model, group)
-    apply_inputs(model, group)
-    apply_attention(model, attentions)
-    apply_short_conv(convs, group)
+    apply_inputs(model, group, validate)
+    paths = apply_attention(model, attentions) | apply_short_conv(convs, group)
+    model.cp_transport_paths = paths
+    summary = (
+        f"torch_impl.hf.parallelize: {type(model).__name__} over {_group.world_size(group)} CP ranks; "
+        + "; ".join(f"{kind}: {path}" for kind, path in paths.items())
+        + f"; inputs checked across ranks: {'yes' if validate else 'no'}"
+    )
+    log.info(summary)
+    if verbose and dist.get_rank() == 0:
+        print(summary, flush=True)
     return model
 
 

@@ -75,12 +75,25 @@ def check(function, group, validate, x, halo_size=None, left_padding=None):
     _raise_on_disagreement(function, rows)
 
 
-def failed_ranks(ok, x, group):
-    """The CP ranks whose own check of their local data failed (`ok` False on them), in one
-    all-gather of a flag per rank: for checks that only some ranks can fail, so that every rank can
-    raise instead of leaving its peers waiting in the next collective. x: any tensor of the rank's,
-    for the device."""
-    return [r for r, (flag,) in enumerate(_exchange([int(ok)], x, group)) if not flag]
+def compare_ranks(ok, fields, x, group):
+    """Every rank's own verdict and its named int `fields`, in one all-gather of int64s: returns
+    (the ranks whose own check failed, i.e. `ok` False on them; a description of how the ranks'
+    fields differ, or None when they all agree). For checks that only some ranks can fail, or
+    inputs that must agree, so that every rank can raise instead of leaving its peers waiting in
+    the next collective. x: any tensor of the rank's, for the device."""
+    rows = _exchange([int(ok), *fields.values()], x, group)
+    failed = [r for r, row in enumerate(rows) if not row[0]]
+    groups = {}
+    for r, row in enumerate(rows):
+        groups.setdefault(tuple(row[1:]), []).append(r)
+    if len(groups) == 1:
+        return failed, None
+    details = "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: "
+        + ", ".join(f"{name}={value}" for name, value in zip(fields, values, strict=True))
+        for values, ranks in sorted(groups.items(), key=lambda item: item[1])
+    )
+    return failed, details
 
 
 def _code(text):
