@@ -15,7 +15,6 @@ computed in float32, so the printed losses differ in the 7th digit).
 """
 
 import argparse
-import gc
 
 import torch
 import torch.distributed as dist
@@ -23,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 import transformers as tf
 
+from examples.recipes.common import finish
 from torch_impl import hf
 
 STEPS, ROWS, SEQ = 3, 2, 256
@@ -96,9 +96,7 @@ def main():
     verdict = "EQUAL" if max(worst, drift) < 1e-9 else "DIFFERENT"
     if dist.get_rank() == 0:
         print(f"{verdict} ({wrap}): after {STEPS} AdamW steps the parameters are apart by {drift:.1e}")
-    gc.collect()  # free gloo work held in reference cycles first: avoids an abort at exit
-    dist.destroy_process_group()
-    raise SystemExit(verdict != "EQUAL")
+    finish(verdict == "EQUAL")
 
 
 if __name__ == "__main__":
