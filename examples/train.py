@@ -376,7 +376,7 @@ def print_transport(report, layer_types, n):
     print(f"{'step':>5}  {'all layers':<18}{a:>14,}{b:>16,}{a / b:>8.3f}")
 
 
-def draw_losses(cp, one, tolerance, path):
+def draw_losses(cp, one, tolerance, path, title):
     """The two loss curves overlaid, and their difference (steps where they are equal: x at the floor)."""
     import matplotlib
 
@@ -396,10 +396,13 @@ def draw_losses(cp, one, tolerance, path):
     equal = [s for s, d in zip(steps, diff, strict=True) if not d]
     if differ:
         bottom.semilogy(*zip(*differ, strict=True), "o", ms=4, label="|difference|")
-    bottom.semilogy(equal, [floor] * len(equal), "x", label="equal")
+    if equal:
+        bottom.semilogy(equal, [floor] * len(equal), "x", label="equal (drawn at the floor)")
     bottom.axhline(tolerance, color="r", ls="--", lw=1, label="tolerance")
     bottom.set_ylim(floor / 2, tolerance * 5)
     bottom.set_xlabel("step")
+    bottom.set_ylabel("|loss difference|")
+    top.set_title(title, fontsize=9)
     bottom.legend(fontsize=7, ncol=3, loc="upper right")
     bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
@@ -455,7 +458,8 @@ def main(argv=None):
     mesh = init_device_mesh(device.type, (args.dp, args.cp), mesh_dim_names=("dp", "cp"))
     corpus = Corpus(args.seq_len)
     log(
-        f"{args.model}, {args.dtype}: {world} ranks = dp {args.dp} x cp {args.cp}, {args.seq_len} tokens per "
+        f"{args.model}, {args.dtype}: {world} rank{'s' * (world > 1)} = dp {args.dp} x cp {args.cp}, "
+        f"{args.seq_len} tokens per "
         f"sequence ({args.seq_len // args.cp} per CP rank), {args.batch} per DP rank, {args.steps} steps; "
         f"corpus {corpus.rows} sequences of the standard library's .py files"
     )
@@ -510,11 +514,16 @@ def report(args, corpus, device, losses, times, elapsed, per_rank, params, job_s
         drift = max(((params[k] - p.cpu()).abs().max() / p.abs().max()).item() for k, p in one_params.items())
         print(f"trained parameters: largest difference {drift:.3e}, relative to each tensor's largest entry")
         metrics["parameter_difference"] = drift
-        draw_losses(losses, one, tolerance, args.figure)
+        title = (
+            f"{args.model}, {args.dtype}: dp {args.dp} x cp {args.cp} (contiguous shards), "
+            f"{args.seq_len} tokens a sequence, against one process"
+        )
+        draw_losses(losses, one, tolerance, args.figure, title)
         print(f"figure: {args.figure}")
         metrics["reference_losses"] = one
         status = 0 if worst <= tolerance else 1
-    print(f"job: {time.perf_counter() - job_start:.1f}s from the start of main, the reference included")
+    included = ", the reference included" if args.reference else ""
+    print(f"job: {time.perf_counter() - job_start:.1f}s from the start of main{included}")
     if args.metrics:
         os.makedirs(os.path.dirname(args.metrics) or ".", exist_ok=True)
         Path(args.metrics).write_text(json.dumps(metrics, indent=1))

@@ -73,9 +73,9 @@ def test_pure_data_parallelism_and_one_process_train(tmp_path):
     command = [sys.executable, "-m", "examples.train", "--steps", "2", *SMALL, "--reference"]
     command += ["--figure", str(tmp_path / "f.png")]
     one = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-    assert one.returncode == 0 and "1 ranks = dp 1 x cp 1" in one.stdout and "EQUAL" in one.stdout, (
-        one.stdout[-3000:]
-    )
+    assert one.returncode == 0 and "1 rank = dp 1 x cp 1" in one.stdout and "EQUAL" in one.stdout, one.stdout[
+        -3000:
+    ]
 
 
 def test_compiled_layers_with_activation_checkpointing_train():
