@@ -61,8 +61,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from torch_impl import _group, validation
 from torch_impl.attention import causal_attention, selected_attention
-from torch_impl.data_parallel import apply_ddp as apply_ddp  # hf.apply_ddp
-from torch_impl.data_parallel import apply_fsdp as apply_fsdp  # hf.apply_fsdp
+from torch_impl.data_parallel import apply_ddp as apply_ddp  # re-exported: hf.apply_ddp, ...
+from torch_impl.data_parallel import apply_fsdp as apply_fsdp
 from torch_impl.data_parallel import gradient_divide_factor as gradient_divide_factor
 from torch_impl.halo import gather_halo
 from torch_impl.metadata import gather_metadata
@@ -772,9 +772,10 @@ def shard_batch(batch, group):
     takes them without CP. Returns the [B, L] shards, `use_cache=False`, and for labels:
     `shift_labels`, shifted over the *global* sequence (the last token of shard r predicts the first
     of shard r+1), and `num_items_in_batch`, the global count of valid shifted labels, so that the
-    ranks' losses add up to the single-process mean. With data parallelism too, set
-    `num_items_in_batch` to the count over all data-parallel batches. Without CP (n = 1) the same
-    keys, with the whole sequence.
+    ranks' losses add up to the single-process mean. With data parallelism too, wrap the model
+    with `apply_fsdp` or `apply_ddp` (gradients summed over CP, averaged over DP); or set
+    `num_items_in_batch` to the count over all DP batches and pass them `global_num_items=True`.
+    Without CP (n = 1) the same keys, with the whole sequence.
     """
     group = _group.resolve_group(group)
     unknown = sorted(set(batch) - set(BATCH_KEYS))
