@@ -1,8 +1,8 @@
 """The README's recipes (examples/recipes/), run as a user runs them: under torchrun, on gloo.
 
-Each recipe compares its CP run with one process and exits 1 when they differ; here every one must
-print EQUAL, and the DDP trap the data-parallel recipe shows (DDP wrapped as it is averages over
-the CP ranks too) must print DIFFERENT with its gradients at half. Every launch has a time limit.
+Each recipe compares its CP run with one process and exits 1 when they differ (the data-parallel
+one compares every gradient to 1e-9 of its largest entry: DDP wrapped as it is, `--wrap ddp-as-is`,
+is 0.5 apart); here every one must print EQUAL. Every launch has a time limit.
 """
 
 import subprocess
@@ -33,9 +33,3 @@ def test_recipe_equals_one_process(module, nproc, args, says):
     code, out = launch(module, nproc, *args)
     assert code == 0 and "DIFFERENT" not in out and all(s in out for s in says), out[-3000:]
     assert "torch_impl.hf.parallelize: " in out and "inputs checked across ranks: yes" in out
-
-
-def test_ddp_wrapped_as_it_is_halves_the_gradients():
-    code, out = launch("data_parallel", 4, "--wrap", "ddp-as-is")
-    assert code != 0 and "DIFFERENT (ddp-as-is)" in out, out[-3000:]
-    assert out.count("gradients apart by at most 5.0e-01 of their largest entry") == 3, out[-3000:]
