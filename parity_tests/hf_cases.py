@@ -16,8 +16,8 @@ def cp_step(group, name, dtype, state, batch, mode="eval"):
     """One forward and backward of the CP model on this rank's shard.
 
     mode: "eval"; "train" (model.train()); "train_ac" (train + transformers' activation
-    checkpointing); "train_ac_compiled" (train, hf.checkpoint_kwargs() and every decoder layer
-    compiled by inductor with fullgraph=True).
+    checkpointing); "train_ac_saved" (train, checkpointing with hf.checkpoint_kwargs());
+    "train_ac_compiled" (that, and every decoder layer compiled by inductor with fullgraph=True).
     Returns logits, loss, every parameter's grad (this rank's partial sum), which math each
     attention layer took (`paths`: None for torch_impl.attention, else why it kept the dense mask)
     and how many calls reached torch_impl.attention, and in eval mode the bytes received per
@@ -29,8 +29,9 @@ def cp_step(group, name, dtype, state, batch, mode="eval"):
     if mode == "train_ac":
         model.activation_checkpointing_enable()
     hf.parallelize(model, group)
-    if mode == "train_ac_compiled":
+    if mode in ("train_ac_saved", "train_ac_compiled"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=hf.checkpoint_kwargs())
+    if mode == "train_ac_compiled":
         for layer in model.model.layers:
             layer.compile(fullgraph=True)
     local = hf.shard_batch(batch, group)

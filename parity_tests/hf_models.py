@@ -165,12 +165,13 @@ def make_packed_batch(with_mask=False, seed=2):
     return batch | ({"attention_mask": torch.ones_like(input_ids)} if with_mask else {})
 
 
-def make_batch(batch=2, seq_len=SEQ_LEN, pad=5, seed=1):
-    """input_ids, attention_mask (row 1 right-padded by `pad` tokens) and labels (-100 on padding)."""
+def make_batch(batch=2, seq_len=SEQ_LEN, pad=5, seed=1, left=False):
+    """input_ids, attention_mask (row 1 padded by `pad` tokens, on the right or `left`) and labels
+    (-100 on padding)."""
     gen = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, VOCAB, (batch, seq_len), generator=gen)
     attention_mask = torch.ones(batch, seq_len, dtype=torch.long)
     if batch > 1 and pad:
-        attention_mask[1, seq_len - pad :] = 0
+        attention_mask[1, slice(0, pad) if left else slice(seq_len - pad, None)] = 0
     labels = input_ids.masked_fill(attention_mask == 0, -100)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}

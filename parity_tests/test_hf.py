@@ -30,11 +30,11 @@ def check_bytes(n):
     return (n - 1) * 9 * 8
 
 
-def reference(name, dtype):
+def reference(name, dtype, **batch_options):
     """(state_dict, batch, logits, loss, grads) of the model in one process, eval mode."""
     model = hf_models.build(name, getattr(torch, dtype))
     model.eval()
-    batch = hf_models.make_batch()
+    batch = hf_models.make_batch(**batch_options)
     out = model(**batch)
     out.loss.backward()
     grads = {key: p.grad for key, p in model.named_parameters()}
@@ -138,6 +138,27 @@ def test_indexed_attention_equals_one_process_float64(pool, name, n):
                 for direction in ("forward", "backward"):
                     wanted[(direction, i, "float64")] = B * per_row[("torch_impl", direction)]
             assert {k: v for k, v in res["received"].items() if v} == {k: v for k, v in wanted.items() if v}
+
+
+@pytest.mark.parametrize("name", hf_models.INDEXED)
+def test_indexed_attention_with_left_padding(pool, name):
+    """Row 1 padded on the left: every query of it follows the padding, so a query that saw (or
+    picked) a padding key would differ from one process, which sees none. (Right padding only
+    ever follows a row's queries and cannot tell.)"""
+    ref = reference(name, "float64", left=True)
+    for group_results in pool.run(("first", 2), hf_cases.cp_step, name, "float64", ref[0], ref[1]):
+        assert_matches_reference(group_results, ref, "float64")
+
+
+@pytest.mark.parametrize("mode", ["train_ac", "train_ac_saved"])
+@pytest.mark.parametrize("name", hf_models.INDEXED)
+def test_indexed_attention_under_activation_checkpointing(pool, name, mode):
+    """transformers' checkpointed decoder layers are called without a cache: the latents reach the
+    attention as its key and value (hf.AbsorbedMLA), so recomputation needs nothing else; with
+    transformers' checkpointing and with hf.checkpoint_kwargs()."""
+    ref = reference(name, "float64")
+    for group_results in pool.run(("first", 2), hf_cases.cp_step, name, "float64", ref[0], ref[1], mode):
+        assert_matches_reference(group_results, ref, "float64")
 
 
 def test_the_indexer_scores_one_query_block_at_a_time(pool):

@@ -25,7 +25,6 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 # CPU tiles: query rows per block (and key rows per tile that needs a mask), measured fastest here
@@ -294,44 +293,56 @@ KERNELS = {"flash": _flash, "flex": _flex, "tiled": _tiled}
 # --- DeepSeek Sparse Attention: each query over the keys its indexer selected ------------------
 
 
-def selected_attention(query, key, value, indices, valid, q_start, *, scale, block=256):
-    """Attention of every query over the keys it selected; differentiable, bounded memory.
+def sparse_mla_attention(query, latents, kv_weight, indices, valid, *, nope_dim, scale, block=128):
+    """MLA attention in absorbed (MQA) form over the keys each query selected; differentiable.
 
-    query: [B, H, L, Dk] at global rows q_start ..; key: [B, H, T, Dk] and value: [B, H, T, Dv] at
-    global rows 0 .. T-1 (T >= q_start + L); indices: int [B, L, k], the key rows each query
-    selected; valid: bool [B, L, k], which of them it may see (the indexer's top-k holds masked keys
-    when a query sees fewer than k). Equal to attention over all keys with the mask "visible and
-    selected"; a query that sees none of its keys returns zeros. Each block of queries attends with
-    SDPA over the keys up to its last query, under a bool mask made from its indices
-    [B, 1, block, keys], checkpointed: the mask and the scores exist only while the block runs, in
-    forward and again in backward, never for all L queries. (The work is block x keys, not block x k:
-    PyTorch has no kernel that gathers a query's own keys.) Returns [B, H, L, Dv] in query's dtype.
+    query: [B, H, L, dn + dr], each head's nope part then its rope part; latents: [B, T, r + dr], a
+    token's MLA latent (kv_lora_rank r) then its rope key, at global rows 0 .. T-1; kv_weight:
+    [H * (dn + dv), r], `kv_b_proj.weight` (head h's key rows, then its value rows); indices: int
+    [B, L, k], the key rows each query selected; valid: bool [B, L, k], which of them it may see.
+
+    Equal to the model's expanded form (K = kv_b_proj(latent) | rope key, V likewise) under the
+    mask "visible and selected", but no per-head K or V exists: per block of queries,
+    1. each head's nope query is absorbed into the latent space, q_nope @ W_uk^h, and joined
+       with its rope part: [B, nq, H, r + dr];
+    2. the latents of the block's picks are gathered, [B, nq, k, r + dr], and scored against it
+       at `scale` (the model's own); picks a query may not see weigh nothing, and a query that
+       sees none returns zeros;
+    3. the weighted latent sum, [B, nq, H, r], is mapped through W_uv^h: [B, nq, H, dv].
+    Each block is checkpointed, so the picks exist only while it runs, in forward and again in
+    backward. Work per pick and head: 2r + dr multiply-adds. Returns [B, L, H, dv] in query's dtype.
     """
-    L = query.shape[2]
+    L, H = query.shape[2], query.shape[1]
     blocks = []
     for q0 in range(0, L, block):
         rows = slice(q0, min(q0 + block, L))
-        keys = q_start + rows.stop  # the block's queries see no later key
         blocks.append(
             checkpoint(
-                _selected_block,
-                query[:, :, rows],  # [B, H, nq, Dk]
-                key[:, :, :keys],  # [B, H, keys, Dk]
-                value[:, :, :keys],  # [B, H, keys, Dv]
+                _sparse_mla_block,
+                query[:, :, rows],  # [B, H, nq, dn + dr]
+                latents,
+                kv_weight.view(H, -1, kv_weight.shape[-1]),  # [H, dn + dv, r]
                 indices[:, rows],  # [B, nq, k]
                 valid[:, rows],  # [B, nq, k]
+                nope_dim,
                 scale,
                 use_reentrant=False,
             )
-        )  # [B, H, nq, Dv]
-    return torch.cat(blocks, dim=2)
+        )  # [B, nq, H, dv]
+    return torch.cat(blocks, dim=1)
 
 
-def _selected_block(query, key, value, indices, valid, scale):
-    """One query block: SDPA under the mask of each query's valid selected keys."""
-    B, nq, T = indices.shape[0], indices.shape[1], key.shape[2]
-    chosen = torch.where(valid, indices.long(), T)  # invalid picks go to a spare column, cut below
-    mask = torch.zeros(B, nq, T + 1, dtype=torch.bool, device=key.device).scatter_(-1, chosen, True)
-    mask = mask[:, None, :, :T]  # [B, 1, nq, T]
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
-    return torch.where(mask.any(-1, keepdim=True), out, 0.0)  # [B, H, nq, Dv]
+def _sparse_mla_block(query, latents, kv_weight, indices, valid, nope_dim, scale):
+    """One block of queries: steps 1-3 of sparse_mla_attention."""
+    r = kv_weight.shape[-1]
+    query = query.transpose(1, 2)  # [B, nq, H, dn + dr]
+    q_nope, q_rope = query[..., :nope_dim], query[..., nope_dim:]  # [B, nq, H, dn], [B, nq, H, dr]
+    w_uk, w_uv = kv_weight[:, :nope_dim], kv_weight[:, nope_dim:]  # [H, dn, r], [H, dv, r]
+    q = torch.cat([torch.einsum("bqhd,hdr->bqhr", q_nope, w_uk), q_rope], dim=-1)  # [B, nq, H, r + dr]
+    batch = torch.arange(len(indices), device=indices.device)[:, None, None]
+    picked = latents[batch, indices.long()]  # [B, nq, k, r + dr]
+    scores = (q @ picked.transpose(-1, -2)).to(torch.promote_types(q.dtype, torch.float32)) * scale
+    seen = valid[:, :, None, :]  # [B, nq, 1, k]
+    weights = scores.masked_fill(~seen, torch.finfo(scores.dtype).min).softmax(-1) * seen  # [B, nq, H, k]
+    summed = weights.to(picked.dtype) @ picked[..., :r]  # [B, nq, H, r]
+    return torch.einsum("bqhr,hvr->bqhv", summed, w_uv)  # [B, nq, H, dv]

@@ -60,7 +60,7 @@ from transformers.masking_utils import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from torch_impl import _group, validation
-from torch_impl.attention import causal_attention, selected_attention
+from torch_impl.attention import causal_attention, sparse_mla_attention
 from torch_impl.data_parallel import apply_ddp as apply_ddp  # re-exported: hf.apply_ddp, ...
 from torch_impl.data_parallel import apply_fsdp as apply_fsdp
 from torch_impl.data_parallel import gradient_divide_factor as gradient_divide_factor
@@ -243,23 +243,16 @@ AttentionMaskInterface.register(IMPLEMENTATION, local_mask)
 class IndexedContext:
     """One forward of a DeepSeek Sparse Attention model under CP, on rank r of n (L tokens each).
 
-    The base model's pre-hook hands it to the model twice, through the model's own arguments: as
-    its mask (`attention_mask={"indexed_attention": context}`, so the model builds no [L, S] mask)
-    and as its cache (`past_key_values=context`). As the cache, `update` receives each layer's MLA
-    latents (this rank's rows, the model's cache format) and keeps them for `indexed_attention`;
-    the model expands its own rows. As the mask, the model slices it like a 4-D mask for its
-    indexer (`[:, 0, :, :]` is the context itself), and `visible` states which keys a query sees:
-    earlier or itself, not padding, the same document.
+    The base model's pre-hook hands it to the model as its mask (`attention_mask={"indexed_attention":
+    context}`, so the model builds no [L, S] mask). The model slices it like a 4-D mask for its
+    indexer (`[:, 0, :, :]` is the context itself) and passes it to the attention; `visible` states
+    which keys a query sees: earlier or itself, not padding, the same document. It holds no
+    activations, so checkpointed layers recompute exactly what they computed.
     """
 
     def __init__(self, group, local_len, padding, documents):
         self.group, self.local_len, self.start = group, local_len, _group.rank(group) * local_len
         self.padding, self.documents = padding, documents  # bool / int [B, S] by global position, or None
-        self.latents = {}  # layer index -> (k_pass [B, 1, L, r], k_rot [B, 1, L, dr])
-
-    def update(self, k_pass, k_rot, layer_idx):
-        self.latents[layer_idx] = (k_pass, k_rot)
-        return k_pass, k_rot
 
     def __getitem__(self, index):
         return self
@@ -338,45 +331,46 @@ class BlockedIndexer:
         return torch.cat(selected, dim=1)
 
 
-_BLOCKED_CLASSES = {}
+class AbsorbedMLA:
+    """Mixed into the class of an indexed_attention module, per instance, like BlockedIndexer. Its
+    `expand_kv` hands the MLA latents on unexpanded (k_pass [B, 1, L, r], k_rot [B, 1, L, dr]):
+    the model passes them to `indexed_attention` as its key and value, and no per-head K or V of
+    any token is made. The model's own expansion stays `super(AbsorbedMLA, module).expand_kv`."""
+
+    def expand_kv(self, kv_nope, k_rot):
+        return kv_nope, k_rot
 
 
-def _blocked(indexer):
-    """The indexer instance, its class swapped for BlockedIndexer mixed into its own."""
-    cls = type(indexer)
-    if cls not in _BLOCKED_CLASSES:
-        _BLOCKED_CLASSES[cls] = type(f"CP{cls.__name__}", (BlockedIndexer, cls), {})
-    indexer.__class__ = _BLOCKED_CLASSES[cls]
-    return indexer
+_MIXED_CLASSES = {}
+
+
+def _mix(module, mixin):
+    """The module, its class swapped for `mixin` mixed into its own (its parameters keep their names)."""
+    cls = type(module)
+    if (mixin, cls) not in _MIXED_CLASSES:
+        _MIXED_CLASSES[mixin, cls] = type(f"CP{cls.__name__}", (mixin, cls), {})
+    module.__class__ = _MIXED_CLASSES[mixin, cls]
+    return module
 
 
 def indexed_attention(module, query, key, value, context, indices=None, scaling=None, **kwargs):
     """An indexed_attention layer on rank r: its queries over the keys its indexer selected.
 
-    query: [B, H, L, Dk]; key/value (the model's expansion of this rank's latents) are not used;
-    indices: [B, L, k] global key rows (GLM-5's shared layers: the previous layer's).
-    1. The MLA latents (k_pass | k_rot, kv_lora_rank + rope dims a token) of the causal prefix
-       arrive point to point with autograd (`IndexedContext.prefix`; backward: their gradients go
-       back to their owners); the module's own `expand_kv` turns them into per-head K and V. (This
-       rank's rows are expanded from the prefix too: on rank 0 the prefix is only its own rows, and
-       its backward, which returns the later ranks' gradients, runs only if the prefix is used.)
-    2. `selected_attention` over the selected keys that the query may see.
-    Returns ([B, L, H, Dv], None).
+    query: [B, H, L, dn + dr]; key, value: this rank's MLA latents k_pass [B, 1, L, r] and k_rot
+    [B, 1, L, dr] (AbsorbedMLA); indices: [B, L, k] global key rows (GLM-5's shared layers: the
+    previous layer's).
+    1. The latents of the causal prefix (r + dr values a token) arrive point to point with
+       autograd (`IndexedContext.prefix`; backward: their gradients go back to their owners).
+    2. `sparse_mla_attention` in absorbed form, through the module's own `kv_b_proj` weight and
+       `scaling`, over the selected keys that the query may see.
+    Returns ([B, L, H, dv], None).
     """
-    k_pass, k_rot = context.latents.pop(module.layer_idx)  # [B, 1, L, r], [B, 1, L, dr]
-    rank_dims = k_pass.shape[-1]
-    prefix = context.prefix(torch.cat([k_pass, k_rot], dim=-1)[:, 0])[:, None]  # [B, 1, (r+1)*L, r+dr]
-    key, value = module.expand_kv(prefix[..., :rank_dims], prefix[..., rank_dims:])  # [B, H, (r+1)*L, D]
-    return attend_selected(query, key, value, context, indices, scaling)
-
-
-def attend_selected(query, key, value, context, indices, scaling):
-    """query: [B, H, L, Dk] over key/value [B, H, >= (r+1)*L, D] (global rows from 0): each query's
-    selected keys that it may see. Returns ([B, L, H, Dv], None)."""
+    prefix = context.prefix(torch.cat([key, value], dim=-1)[:, 0])  # [B, (r+1)*L, r + dr]
     queries = context.start + torch.arange(query.shape[2], device=query.device)[None, :, None]  # [1, L, 1]
     valid = context.visible(queries, indices.long())  # [B, L, k]
-    out = selected_attention(query, key, value, indices, valid, context.start, scale=scaling)  # [B, H, L, Dv]
-    return out.transpose(1, 2).contiguous(), None
+    weight, nope_dim = module.kv_b_proj.weight, module.qk_nope_head_dim  # [H * (dn + dv), r]
+    out = sparse_mla_attention(query, prefix, weight, indices, valid, nope_dim=nope_dim, scale=scaling)
+    return out, None  # [B, L, H, dv]
 
 
 # --- hooks on the model's own modules -------------------------------------------------------------
@@ -421,8 +415,8 @@ class ModelInputs:
       cache), the positions are gathered once per forward and their document ids, numbered as
       transformers' `find_packed_sequence_indices` numbers them over the whole sequence, reach
       every attention layer: the `cp_documents` kwarg ([B, S]; absent when nothing restarts).
-    - indexed_attention models get one `IndexedContext` as their mask and cache, with the padding
-      mask gathered once per forward ([B, S]) and the documents.
+    - indexed_attention models get one `IndexedContext` as their mask, with the padding mask
+      gathered once per forward ([B, S]) and the documents, and no cache.
     - a KV cache that already holds tokens is refused (each rank's cache would hold its own keys).
     - with `validate` (parallelize's default), the ranks first compare their inputs in one
       all-gather of a few integers (`signature`): ranks given different shapes or arguments, or
@@ -466,7 +460,7 @@ class ModelInputs:
                 args,
                 kwargs,
                 attention_mask={INDEXED: context},
-                past_key_values=context,
+                past_key_values=None,
                 position_ids=positions,
                 use_cache=False,
             )
@@ -617,11 +611,20 @@ def _dense_reason(module):
 
 
 def _check_indexed(name, module):
-    """An indexed_attention layer is DeepSeek V3.2's / GLM-5's: MLA latents expanded by `expand_kv`,
-    an indexer (or, GLM-5's shared layers, the previous layer's indices) with the forward the
-    adapter calls, no attention dropout."""
+    """An indexed_attention layer is DeepSeek V3.2's / GLM-5's: MLA latents expanded by `expand_kv`
+    through a `kv_b_proj` without bias (absorbed exactly), an indexer (or, GLM-5's shared layers,
+    the previous layer's indices) with the forward the adapter calls, no attention dropout."""
     if not callable(getattr(module, "expand_kv", None)) or not hasattr(module, "indexer"):
         raise _refuse(name, module, f"is an {INDEXED!r} layer without MLA's expand_kv and an indexer")
+    projection = getattr(module, "kv_b_proj", None)
+    nope_dim = getattr(module, "qk_nope_head_dim", None)
+    if not isinstance(projection, nn.Linear) or projection.bias is not None or nope_dim is None:
+        raise _refuse(
+            name,
+            module,
+            f"is an {INDEXED!r} layer whose latents are not expanded by a `kv_b_proj` Linear without bias "
+            "(with `qk_nope_head_dim`): the absorbed attention could not reproduce it",
+        )
     if module.indexer is not None:
         names = list(inspect.signature(module.indexer.forward).parameters)[:6]
         expected = ["hidden_states", "q_resid", "position_embeddings", "attention_mask", "position_ids"]
@@ -678,27 +681,20 @@ def apply_attention(model, attentions):
         kind = _layer_type(module) or type(module).__name__
         paths[kind] = "torch_impl.attention" if plan.dense is None else f"dense [L, T] mask ({plan.dense})"
         if kind == INDEXED:
-            paths[kind] = "blocked indexer, selected_attention over the causal prefix's latents"
+            paths[kind] = "blocked indexer, absorbed sparse attention over the causal prefix's latents"
+            _mix(module, AbsorbedMLA)
             if module.indexer is not None:
-                _blocked(module.indexer)
+                _mix(module.indexer, BlockedIndexer)
     model.set_attn_implementation(IMPLEMENTATION)
     return paths
 
 
 def apply_inputs(model, group, validate):
     """The base model's inputs: global positions, documents, indexed_attention's context, the
-    refusal of a filled KV cache and (validate) the cross-rank check; its output does not carry the
-    context on as a cache."""
+    refusal of a filled KV cache and (validate) the cross-rank check."""
     base = model.base_model
     indexed = INDEXED in (getattr(base.config, "layer_types", None) or ())
     base.register_forward_pre_hook(ModelInputs(base, group, indexed, validate), with_kwargs=True)
-    if indexed:
-        base.register_forward_hook(_drop_context)
-
-
-def _drop_context(module, args, output):
-    if isinstance(getattr(output, "past_key_values", None), IndexedContext):
-        output.past_key_values = None
 
 
 def apply_short_conv(convs, group):
