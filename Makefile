@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-block demo-routing test parity lint bench bench-quick bench-train bench-capacity clean
+.PHONY: demo demo-block demo-routing test parity lint bench bench-quick bench-train bench-capacity gpu-check clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,13 @@ bench-train: $(STAMP)
 
 bench-capacity: $(STAMP)
 	$(PY) -m benchmarks.rank_capacity
+	$(PY) -m benchmarks.rank_capacity --model deepseek_v32 --variants alone,torch_impl \
+		--json out/rank_capacity_dsa.json --plot out/rank_capacity_dsa.png
+
+# on a GPU node, with its own python and torch (no .venv: such nodes may reach no package registry)
+GPU_PY ?= python3
+gpu-check:
+	$(GPU_PY) -m benchmarks.gpu_check
 
 clean:
 	rm -rf $(VENV) out

@@ -1,13 +1,17 @@
 """`make bench-capacity`: one CP rank's peak memory and time, against the same rank without CP.
 
-    python -m benchmarks.rank_capacity [--n 8] [--lens 1024,2048,4096] [--quick] [--json FILE]
+    python -m benchmarks.rank_capacity [--model gemma3|deepseek_v32] [--n 8] [--lens 1024,2048,4096]
+                                       [--quick] [--json FILE]
 
 One rank, the last (rank n-1 of n: the most keys), is played through torch's fake process group:
 every buffer and kernel is real, no data moves (received tensors hold whatever their memory held).
 The model is Gemma 3's text model in the demo's layout (5 sliding-window layers, window 512, then a
-global one; one KV head), at hidden size 256 (4 heads of 64), vocabulary 256, float32, with
-activation checkpointing (`hf.checkpoint_kwargs()`). Per tokens-per-rank L (global S = n * L), one
-forward+backward of:
+global one; one KV head), at hidden size 256 (4 heads of 64), vocabulary 256, float32 (`--layers`,
+`--hidden`, `--heads`, `--head-dim`, `--vocab`, `--intermediate` set other shapes: `make gpu-check`
+runs Gemma-3-1B's), with activation checkpointing (`hf.checkpoint_kwargs()`). `--model deepseek_v32`
+is DeepSeek V3.2's sparse attention instead (`build_dsa`: 2 layers, MLA with 16 heads, an indexer
+picking `--topk` keys per query; variants alone, torch_impl and allgather). Per tokens-per-rank L
+(global S = n * L), one forward+backward of:
 
   alone       the plain model on the rank's L tokens, no CP: what the rank's own tokens cost
   torch_impl  torch_impl.hf: halos and gathers, then torch_impl.attention (no [L, T] mask)
@@ -44,22 +48,54 @@ def build_model(args, max_positions):
     import transformers as tf
 
     torch.manual_seed(0)
-    layer_types = ["sliding_attention"] * 5 + ["full_attention"]
+    if args.model == "deepseek_v32":
+        return build_dsa(args, max_positions)
+    layer_types = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(args.layers)]
+    head_dim = args.head_dim or args.hidden // args.heads
     config = tf.Gemma3TextConfig(
-        vocab_size=256,
+        vocab_size=args.vocab,
         hidden_size=args.hidden,
-        intermediate_size=3 * args.hidden,
+        intermediate_size=args.intermediate or 3 * args.hidden,
         num_hidden_layers=len(layer_types),
         layer_types=layer_types,
         num_attention_heads=args.heads,
         num_key_value_heads=1,
-        head_dim=args.hidden // args.heads,
-        query_pre_attn_scalar=args.hidden // args.heads,
+        head_dim=head_dim,
+        query_pre_attn_scalar=head_dim,
         sliding_window=args.window,
         max_position_embeddings=max_positions,
         attn_implementation="sdpa",
     )
     return tf.Gemma3ForCausalLM(config)
+
+
+def build_dsa(args, max_positions):
+    """DeepSeek V3.2's sparse attention in both layers (dense MLPs), MLA at hidden 512 with 16 heads
+    (nope 128 + rope 64, v 128, latents of 512 + 64), 8 indexer heads of 64, top-k `--topk` (256:
+    S / 64 at L = 2048, n = 8)."""
+    import transformers as tf
+
+    config = tf.DeepseekV32Config(
+        vocab_size=args.vocab,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=2,
+        first_k_dense_replace=2,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        q_lora_rank=128,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        index_n_heads=8,
+        index_head_dim=64,
+        index_topk=args.topk,
+        max_position_embeddings=max_positions,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    return tf.DeepseekV32ForCausalLM(config)
 
 
 def prepare(variant, args, L, device):
@@ -72,12 +108,13 @@ def prepare(variant, args, L, device):
     dtype = getattr(torch, args.dtype)
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=args.n - 1, world_size=args.n)
-    model = build_model(args, args.n * L).to(device=device, dtype=dtype)
+    with torch.device(device):
+        model = build_model(args, args.n * L).to(dtype)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs=hf.checkpoint_kwargs())
     model.train()
     gen = torch.Generator().manual_seed(0)
     if variant == "alone":
-        ids = torch.randint(0, 256, (1, L), generator=gen).to(device)
+        ids = torch.randint(0, args.vocab, (1, L), generator=gen).to(device)
         return model, {"input_ids": ids, "labels": ids, "use_cache": False}
     hf.parallelize(model, dist.group.WORLD)
     if variant == "allgather":
@@ -86,7 +123,7 @@ def prepare(variant, args, L, device):
         for module in model.modules():
             if isinstance(getattr(module, "context_parallel", None), hf.AttentionPlan):
                 module.context_parallel = dataclasses.replace(module.context_parallel, dense="benchmark")
-    ids = torch.randint(0, 256, (1, args.n * L), generator=gen).to(device)
+    ids = torch.randint(0, args.vocab, (1, args.n * L), generator=gen).to(device)
     return model, hf.shard_batch({"input_ids": ids, "labels": ids}, dist.group.WORLD)
 
 
@@ -167,8 +204,14 @@ def run_cuda(args, lens):
 def forwarded(args):
     return [
         f"--n={args.n}",
+        f"--model={args.model}",
+        f"--topk={args.topk}",
         f"--hidden={args.hidden}",
         f"--heads={args.heads}",
+        f"--layers={args.layers}",
+        f"--head-dim={args.head_dim or 0}",
+        f"--vocab={args.vocab}",
+        f"--intermediate={args.intermediate or 0}",
         f"--window={args.window}",
         f"--dtype={args.dtype}",
         f"--reps={args.reps}",
@@ -225,13 +268,19 @@ def plot(rows, path, device):
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=8, help="CP ranks; this process plays rank n-1")
+    p.add_argument("--model", choices=("gemma3", "deepseek_v32"), default="gemma3")
+    p.add_argument("--topk", type=int, default=256, help="deepseek_v32: keys each query picks")
     p.add_argument("--lens", default="1024,2048,4096", help="tokens per rank")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=6, help="gemma3: 5 sliding, 1 global, repeated")
+    p.add_argument("--head-dim", type=int, default=0, help="gemma3: default hidden / heads")
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--intermediate", type=int, default=0, help="gemma3: default 3 * hidden")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--variants", default=",".join(VARIANTS), help="a comma-separated subset")
+    p.add_argument("--variants", help="a comma-separated subset (default: all the model has)")
     p.add_argument("--find-limit", action="store_true", help="CUDA: double L until out of memory")
     p.add_argument("--quick", action="store_true", help="one small length, one repetition (the tests)")
     p.add_argument("--json", default="out/rank_capacity.json")
@@ -239,9 +288,11 @@ def parse(argv):
     p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--child-len", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    known = tuple(v for v in VARIANTS if args.model == "gemma3" or v != "dense")  # DSA has no dense path
+    args.variants = args.variants or ",".join(known)
+    unknown = set(args.variants.split(",")) - set(known)
     if unknown:
-        p.error(f"--variants: unknown {sorted(unknown)}; choose from {VARIANTS}")
+        p.error(f"--variants: {sorted(unknown)} not for --model {args.model}; choose from {known}")
     if args.dtype is None:
         args.dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     if args.quick:
@@ -255,9 +306,14 @@ def main(argv=None):
         return child(args)
     lens = [int(x) for x in args.lens.split(",")]
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = (
+        f"DeepSeek V3.2 (build_dsa), top-k {args.topk}"
+        if args.model == "deepseek_v32"
+        else f"Gemma 3 layout, hidden {args.hidden}, window {args.window}"
+    )
     print(
-        f"# one CP rank (rank {args.n - 1} of {args.n}, fake process group) on {device}: Gemma 3 layout, "
-        f"hidden {args.hidden}, window {args.window}, {args.dtype}, activation checkpointing"
+        f"# one CP rank (rank {args.n - 1} of {args.n}, fake process group) on {device}: {model}, "
+        f"{args.dtype}, activation checkpointing"
     )
     rows = run_cuda(args, lens) if device == "cuda" else run_cpu(args, lens)
     print(table(rows))

@@ -460,9 +460,9 @@ def main(argv=None):
     mesh = init_device_mesh(device.type, (args.dp, args.cp), mesh_dim_names=("dp", "cp"))
     corpus = Corpus(args.seq_len)
     log(
-        f"{args.model}, {args.dtype}: {world} rank{'s' * (world > 1)} = dp {args.dp} x cp {args.cp}, "
-        f"{args.seq_len} tokens per "
-        f"sequence ({args.seq_len // args.cp} per CP rank), {args.batch} per DP rank, {args.steps} steps; "
+        f"{args.model}, {args.dtype}, {backend}: {world} rank{'s' * (world > 1)} = dp {args.dp} x "
+        f"cp {args.cp}, {args.seq_len} tokens per sequence ({args.seq_len // args.cp} per CP rank), "
+        f"{args.batch} per DP rank, {args.steps} steps; "
         f"corpus {corpus.rows} sequences of the standard library's .py files"
     )
     started = time.perf_counter()

@@ -5,13 +5,15 @@ Windows are chosen against the tests' S = 24 tokens: at n = 4 ranks (L = 6) Gemm
 Mistral's reaches back to the start of rank 0's shard.
 """
 
+from functools import partial
+
 import torch
 
 VOCAB = 64
 SEQ_LEN = 24
 
 
-def _small(**overrides):
+def _small_config(**overrides):
     return {
         "vocab_size": VOCAB,
         "hidden_size": 32,
@@ -60,9 +62,10 @@ def _eager_experts(model):
     return model
 
 
-def _configs():
+def _configs(head_dim=8):
     import transformers as tf
 
+    _small = partial(_small_config, head_dim=head_dim)
     return {
         "gemma3": lambda: tf.Gemma3ForCausalLM(
             tf.Gemma3TextConfig(
@@ -146,10 +149,11 @@ REFUSED = {  # model -> what the error names
 }
 
 
-def build(name, dtype=torch.float64, seed=0):
-    """The named tiny model in `dtype`, its weights drawn from `seed`."""
+def build(name, dtype=torch.float64, seed=0, head_dim=8):
+    """The named tiny model in `dtype`, its weights drawn from `seed` (`head_dim`: of the models
+    that are not DeepSeek Sparse Attention; CUDA's flex_attention needs 16 or more)."""
     torch.manual_seed(seed)
-    return _configs()[name]().to(dtype)
+    return _configs(head_dim)[name]().to(dtype)
 
 
 DOCUMENTS = ((5, 7, 12), (9, 15))  # per row: document lengths; starts 0, 5, 12 and 0, 9

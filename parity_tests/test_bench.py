@@ -1,6 +1,9 @@
-"""`make bench` keeps working: its quick mode end to end (no timing assertions), and its arithmetic."""
+"""`make bench`, `make bench-capacity` and `make gpu-check` keep working: their quick modes end to end (no
+timing assertions), and their arithmetic."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -74,3 +77,26 @@ def test_rank_capacity_quick_mode_runs(tmp_path, capsys):
     assert json.loads(json_path.read_text())["rows"] == rows
     assert plot_path.stat().st_size > 10_000
     assert "| 256 (2048) | torch_impl |" in capsys.readouterr().out
+
+
+def test_gpu_check_quick_mode_runs(tmp_path):
+    """make gpu-check's command at tiny shapes, here on the CPU: the CUDA tests skip (none fails),
+    one rank of bench-capacity runs at 128 tokens per rank and doubles to 1024, the JSON holds it
+    all (no timing or memory assertions). Without --quick and without CUDA it refuses."""
+    json_path = tmp_path / "gpu_check.json"
+    command = [sys.executable, "-m", "benchmarks.gpu_check", "--quick", "--json", str(json_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(json_path.read_text())
+    assert result["tests"]["failed"] == [] and result["tests"]["skipped"] > 0
+    assert [(r["variant"], r["L"]) for r in result["rows"]] == [
+        ("alone", 128),
+        ("torch_impl", 128),
+        ("torch_impl", 256),
+        ("torch_impl", 512),
+        ("torch_impl", 1024),
+    ]
+    assert all(r["peak_mib"] > 0 and r["ms"] > 0 for r in result["rows"])
+    assert "| torch_impl | 128 (1024) |" in done.stdout
+    refused = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "no CUDA device here" in refused.stdout

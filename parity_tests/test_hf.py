@@ -71,7 +71,7 @@ def assert_path(results, name):
     attentions = sum(kind != "conv" for kind in kinds)
     fused = (
         0 if name in hf_models.DENSE or name in hf_models.INDEXED else attentions
-    )  # indexed: selected_attention
+    )  # indexed: sparse_mla_attention (tested in test_attention)
     for res in results:
         assert res["paths"] == [hf_models.DENSE.get(name)] * attentions, res["paths"]
         assert res["fused_calls"] == fused

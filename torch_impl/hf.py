@@ -19,6 +19,10 @@ attention implementation (`config._attn_implementation = "cp_transport"`, throug
 | (a query sees W keys, itself included)  | padding mask: gather_halo     | their global rows         |
 | causal depthwise short conv, kernel K   | input, padding mask:          | the module's own forward; |
 | (LFM2's `Lfm2ShortConv`)                | gather_halo(K - 1)            | the halo's outputs dropped|
+| DeepSeek Sparse Attention (DeepSeek     | MLA latents and indexer keys  | the model's own indexer,  |
+| V3.2, GLM-5: `indexed_attention`)       | of the causal prefix:         | blocked; sparse_mla_      |
+|                                         | gather_halo((n-1)*L)          | attention (absorbed MLA)  |
+|                                         |                               | over the picked latents   |
 
 The model decides which layers slide: its mask factory (`create_sliding_window_causal_mask`) calls
 this implementation's mask function with the window, which returns a `LocalMask` that the model
