@@ -20,12 +20,14 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from torch_impl import gather_metadata, gather_sequence, hf
+from torch_impl.hf.attention import attend, check_call, local_mask
+from torch_impl.hf.indexed import AbsorbedMLA, IndexedContext
 
 IMPLEMENTATION = "cp_allgather"
 
 
 def fetch_keys(group, key, value, padding, window):
-    """torch_impl.hf.fetch_keys's result, from all-gathers of the whole K and V in every layer."""
+    """torch_impl.hf.attention.fetch_keys's result, from all-gathers of the whole K and V in every layer."""
     L = key.shape[2]
     key = gather_sequence(key.transpose(1, 2), group).transpose(1, 2)  # [B, Hkv, S, D]
     value = gather_sequence(value.transpose(1, 2), group).transpose(1, 2)  # [B, Hkv, S, D]
@@ -42,7 +44,7 @@ def indexed_attention(module, query, key, value, context, indices=None, scaling=
     K and V (the model's own `expand_kv`), those all-gathered, and SDPA under the mask of each
     query's visible selected keys, as transformers computes it on one process (the indexer is
     torch_impl.hf's)."""
-    key, value = super(hf.AbsorbedMLA, module).expand_kv(key, value)  # [B, H, L, Dk], [B, H, L, Dv]
+    key, value = super(AbsorbedMLA, module).expand_kv(key, value)  # [B, H, L, Dk], [B, H, L, Dv]
     key = gather_sequence(key.transpose(1, 2), context.group).transpose(1, 2)  # [B, H, S, Dk]
     value = gather_sequence(value.transpose(1, 2), context.group).transpose(1, 2)  # [B, H, S, Dv]
     (B, L), S = indices.shape[:2], key.shape[2]
@@ -57,14 +59,14 @@ def indexed_attention(module, query, key, value, context, indices=None, scaling=
 
 
 def attention(module, query, key, value, attention_mask, **kwargs):
-    if isinstance(attention_mask, hf.IndexedContext):
+    if isinstance(attention_mask, IndexedContext):
         return indexed_attention(module, query, key, value, attention_mask, **kwargs)
-    hf.check_call(module, attention_mask)
+    check_call(module, attention_mask)
     padding, window = attention_mask
     documents = kwargs.pop(hf.DOCUMENTS, None)
     key, value, padding, first_key = fetch_keys(module.context_parallel.group, key, value, padding, window)
-    return hf.attend(module, query, key, value, padding, documents, first_key, window, **kwargs)
+    return attend(module, query, key, value, padding, documents, first_key, window, **kwargs)
 
 
 AttentionInterface.register(IMPLEMENTATION, attention)
-AttentionMaskInterface.register(IMPLEMENTATION, hf.local_mask)
+AttentionMaskInterface.register(IMPLEMENTATION, local_mask)

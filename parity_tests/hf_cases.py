@@ -9,6 +9,8 @@ from transformers import DynamicCache
 from parity_tests import hf_models
 import torch_impl
 from torch_impl import hf
+from torch_impl.hf import attention as hf_attention
+from torch_impl.hf.indexed import BlockedIndexer
 from torch_impl.traffic import PayloadCounter, tag_layers
 
 
@@ -39,7 +41,7 @@ def cp_step(group, name, dtype, state, batch, mode="eval"):
     if mode == "eval":
         tag_layers(counter, model.model.layers)
         counter.tag = ("forward", "inputs")  # before the first layer: the model's inputs (positions)
-    fused = CallCounter(hf, "causal_attention")  # eager only: a compiled graph cannot count calls
+    fused = CallCounter(hf_attention, "causal_attention")  # eager only: a compiled graph cannot count calls
     with (
         fused if mode != "train_ac_compiled" else nullcontext(),
         counter if mode == "eval" else nullcontext(),
@@ -199,12 +201,12 @@ def indexer_scores(group, name, state, batch, query_block):
     model = hf_models.build(name)
     model.load_state_dict(state)
     hf.parallelize(model, group)
-    hf.BlockedIndexer.query_block = query_block
+    BlockedIndexer.query_block = query_block
     try:
         with Largest():
             model(**hf.shard_batch(batch, group))
     finally:
-        hf.BlockedIndexer.query_block = 256
+        BlockedIndexer.query_block = 256
     return Largest.numel
 
 

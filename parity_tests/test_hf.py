@@ -154,8 +154,8 @@ def test_indexed_attention_with_left_padding(pool, name):
 @pytest.mark.parametrize("name", hf_models.INDEXED)
 def test_indexed_attention_under_activation_checkpointing(pool, name, mode):
     """transformers' checkpointed decoder layers are called without a cache: the latents reach the
-    attention as its key and value (hf.AbsorbedMLA), so recomputation needs nothing else; with
-    transformers' checkpointing and with hf.checkpoint_kwargs()."""
+    attention as its key and value (torch_impl.hf.indexed.AbsorbedMLA), so recomputation needs
+    nothing else; with transformers' checkpointing and with hf.checkpoint_kwargs()."""
     ref = reference(name, "float64")
     for group_results in pool.run(("first", 2), hf_cases.cp_step, name, "float64", ref[0], ref[1], mode):
         assert_matches_reference(group_results, ref, "float64")

@@ -1,0 +1,60 @@
+"""Hugging Face `transformers` models made context-parallel, each layer moving only what it needs.
+
+    from torch_impl import hf
+
+    model = hf.parallelize(model, group)  # in place; group: ProcessGroup, 1-D DeviceMesh or None
+    local = hf.shard_batch(batch, group)  # global [B, S] tensors -> this rank's model kwargs
+    out = model(**local)                  # out.logits: [B, S/n, vocab]; out.loss: this rank's share
+    out.loss.backward()                   # parameter grads summed over the CP group = one process's
+
+Rank r of n holds the global tokens [r*L, (r+1)*L), L = S/n. The adapter is one registered
+attention implementation (`config._attn_implementation = "cp_transport"`, through transformers'
+`AttentionInterface` and `AttentionMaskInterface`) and forward hooks on short convolutions:
+
+| layer kind                              | forward transport (rank r)    | the math                  |
+|-----------------------------------------|-------------------------------|---------------------------|
+| full causal attention                   | K, V: gather_sequence;        | torch_impl.attention over |
+|                                         | padding mask: gather_metadata | the keys up to its own,   |
+| sliding-window attention, window W      | K, V: gather_halo(W - 1);     | queries at r*L, keys at   |
+| (a query sees W keys, itself included)  | padding mask: gather_halo     | their global rows         |
+| causal depthwise short conv, kernel K   | input, padding mask:          | the module's own forward; |
+| (LFM2's `Lfm2ShortConv`)                | gather_halo(K - 1)            | the halo's outputs dropped|
+| DeepSeek Sparse Attention (DeepSeek     | MLA latents and indexer keys  | the model's own indexer,  |
+| V3.2, GLM-5: `indexed_attention`)       | of the causal prefix:         | blocked; sparse_mla_      |
+|                                         | gather_halo((n-1)*L)          | attention (absorbed MLA)  |
+|                                         |                               | over the picked latents   |
+
+The model decides which layers slide: its mask factory (`create_sliding_window_causal_mask`) calls
+this implementation's mask function with the window, which returns a `LocalMask` that the model
+routes to those layers. The math is `torch_impl.attention.causal_attention` (fused kernels, no
+[L, T] mask), except for layers whose model math it does not reproduce (soft-capping, attention
+sinks, attention dropout): those keep the model's own mask and attention functions (`sdpa`, or its
+module's `eager_attention_forward`) on a dense [L, T] mask. Packed sequences (position_ids that
+restart, no attention_mask, no cache: when transformers isolates the documents) add document ids,
+made once per forward from the gathered positions. Whatever this cannot make exact raises
+`ValueError`: at `parallelize` (recurrent layers, cross or bidirectional attention, chunked
+attention, unknown sequence convolutions, flash/flex kernels), or at the first call (a KV cache
+past the first step, custom mask overlays, a 4-D mask).
+
+Modules: `parallelize` (the checks and the plan), one per layer kind (`attention`: full and
+sliding; `short_conv`; `indexed`: DeepSeek Sparse Attention), `inputs` (`shard_batch` and the base
+model's pre-hook).
+"""
+
+from torch_impl.data_parallel import apply_ddp, apply_fsdp, gradient_divide_factor
+from torch_impl.hf._common import DOCUMENTS, IMPLEMENTATION
+from torch_impl.hf.attention import AttentionPlan
+from torch_impl.hf.inputs import shard_batch
+from torch_impl.hf.parallelize import checkpoint_kwargs, parallelize
+
+__all__ = [
+    "DOCUMENTS",
+    "IMPLEMENTATION",
+    "AttentionPlan",
+    "apply_ddp",
+    "apply_fsdp",
+    "checkpoint_kwargs",
+    "gradient_divide_factor",
+    "parallelize",
+    "shard_batch",
+]

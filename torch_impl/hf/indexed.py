@@ -1,0 +1,145 @@
+"""DeepSeek Sparse Attention layers (`indexed_attention`: DeepSeek V3.2, GLM-5) under CP.
+
+The causal prefix's indexer keys and MLA latents arrive point to point (`IndexedContext.prefix`);
+the model's own indexer scores them one query block at a time (`BlockedIndexer`), and the attention
+runs in absorbed form over the latents each query picked (`AbsorbedMLA`, `indexed_attention`).
+"""
+
+import torch
+
+from torch_impl import _group
+from torch_impl.attention import sparse_mla_attention
+from torch_impl.halo import gather_halo
+
+
+class IndexedContext:
+    """One forward of a DeepSeek Sparse Attention model under CP, on rank r of n (L tokens each).
+
+    The base model's pre-hook hands it to the model as its mask (`attention_mask={"indexed_attention":
+    context}`, so the model builds no [L, S] mask). The model slices it like a 4-D mask for its
+    indexer (`[:, 0, :, :]` is the context itself) and passes it to the attention; `visible` states
+    which keys a query sees: earlier or itself, not padding, the same document. It holds no
+    activations, so checkpointed layers recompute exactly what they computed.
+    """
+
+    def __init__(self, group, local_len, padding, documents):
+        self.group, self.local_len, self.start = group, local_len, _group.rank(group) * local_len
+        self.padding, self.documents = padding, documents  # bool / int [B, S] by global position, or None
+
+    def __getitem__(self, index):
+        return self
+
+    def visible(self, queries, keys):
+        """bool [B or 1, nq, k]: query global rows `queries` [1, nq, 1] against key rows `keys`
+        ([1, 1, T], or [B, nq, k])."""
+        ok = keys <= queries
+        per_token = self.padding if self.padding is not None else self.documents
+        batch = None if per_token is None else torch.arange(len(per_token), device=keys.device)[:, None, None]
+        if self.padding is not None:
+            ok = ok & self.padding[batch, keys]
+        if self.documents is not None:
+            ok = ok & (self.documents[batch, keys] == self.documents[batch, queries])
+        return ok
+
+    def prefix(self, x):
+        """x: [B, L, ...] on every rank -> [B, (r+1)*L, ...]: the causal prefix, global rows 0 ..
+        (r+1)*L - 1, received point to point (gather_halo with a halo of every earlier row)."""
+        return gather_halo(x, self.group, (_group.world_size(self.group) - 1) * self.local_len)
+
+
+class _Keys:
+    """A cache stand-in for one call of the model's indexer: `update_indexer` keeps the keys the
+    indexer computed (this rank's rows) and answers with `keys` (scores against those)."""
+
+    def __init__(self, keys=None):
+        self.keys, self.computed = keys, None
+
+    def update_indexer(self, k, layer_idx):
+        self.computed = k  # [B, nq, Di]
+        return k[:, :1] if self.keys is None else self.keys
+
+
+class BlockedIndexer:
+    """Mixed into the class of the model's own indexer, per instance (as FSDP2's fully_shard does),
+    so that its parameters keep their names. Its forward runs the model's own indexer forward:
+    once over this rank's rows to compute their indexer keys (against a single key), then, after
+    the causal prefix of those keys arrives (`IndexedContext.prefix`, no autograd: the indexer is
+    not trained), once per block of queries, each scoring only its block: the float32 scores
+    [B, block, heads, (r+1)*L] never grow with L x S. Returns the top-k global key rows [B, L, k].
+    """
+
+    query_block = 256
+
+    @torch.no_grad()
+    def forward(
+        self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None, **kwargs
+    ):
+        context, (B, L, _) = attention_mask, hidden_states.shape
+        cos, sin = position_embeddings
+
+        def rows(t, q0):
+            return None if t is None else t[:, q0 : q0 + self.query_block]  # [., nq, ...]
+
+        own = _Keys()
+        ones = hidden_states.new_ones((B, L, 1), dtype=torch.bool)  # a mask over that single key
+        super().forward(hidden_states, q_resid, position_embeddings, ones, position_ids, past_key_values=own)
+        keys = _Keys(context.prefix(own.computed))  # [B, (r+1)*L, Di]
+        T = context.start + L
+        selected = []
+        for q0 in range(0, L, self.query_block):
+            queries = context.start + torch.arange(q0, min(q0 + self.query_block, L), device=cos.device)
+            mask = context.visible(queries[None, :, None], torch.arange(T, device=cos.device)[None, None])
+            mask = mask.expand(B, -1, -1)  # [B, nq, T]
+            selected.append(
+                super().forward(
+                    rows(hidden_states, q0),
+                    rows(q_resid, q0),
+                    (rows(cos, q0), rows(sin, q0)),
+                    mask,
+                    rows(position_ids, q0),
+                    past_key_values=keys,
+                )
+            )  # [B, nq, k]
+        return torch.cat(selected, dim=1)
+
+
+class AbsorbedMLA:
+    """Mixed into the class of an indexed_attention module, per instance, like BlockedIndexer. Its
+    `expand_kv` hands the MLA latents on unexpanded (k_pass [B, 1, L, r], k_rot [B, 1, L, dr]):
+    the model passes them to `indexed_attention` as its key and value, and no per-head K or V of
+    any token is made. The model's own expansion stays `super(AbsorbedMLA, module).expand_kv`."""
+
+    def expand_kv(self, kv_nope, k_rot):
+        return kv_nope, k_rot
+
+
+MIXED_CLASSES = {}
+
+
+def mix(module, mixin):
+    """The module, its class swapped for `mixin` mixed into its own (its parameters keep their names)."""
+    cls = type(module)
+    if (mixin, cls) not in MIXED_CLASSES:
+        MIXED_CLASSES[mixin, cls] = type(f"CP{cls.__name__}", (mixin, cls), {})
+    module.__class__ = MIXED_CLASSES[mixin, cls]
+    return module
+
+
+def indexed_attention(module, query, key, value, context, indices=None, scaling=None, **kwargs):
+    """An indexed_attention layer on rank r: its queries over the keys its indexer selected.
+
+    query: [B, H, L, dn + dr]; key, value: this rank's MLA latents k_pass [B, 1, L, r] and k_rot
+    [B, 1, L, dr] (AbsorbedMLA); indices: [B, L, k] global key rows (GLM-5's shared layers: the
+    previous layer's).
+    1. The latents of the causal prefix (r + dr values a token) arrive point to point with
+       autograd (`IndexedContext.prefix`; backward: their gradients go back to their owners).
+    2. `sparse_mla_attention` in absorbed form, through the module's own `kv_b_proj` weight and
+       `scaling`, over the selected keys that the query may see.
+    Returns ([B, L, H, dv], None).
+    """
+    prefix = context.prefix(torch.cat([key, value], dim=-1)[:, 0])  # [B, (r+1)*L, r + dr]
+    queries = context.start + torch.arange(query.shape[2], device=query.device)[None, :, None]  # [1, L, 1]
+    valid = context.visible(queries, indices.long())  # [B, L, k]
+    weight, nope_dim = module.kv_b_proj.weight, module.qk_nope_head_dim  # [H * (dn + dv), r]
+    out = sparse_mla_attention(query, prefix, weight, indices, valid, nope_dim=nope_dim, scale=scaling)
+    return out, None  # [B, L, H, dv]

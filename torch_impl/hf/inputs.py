@@ -1,0 +1,163 @@
+"""The model's inputs under CP: `shard_batch` (a rank's kwargs from a global batch) and the base
+model's forward pre-hook (`ModelInputs`: global positions, packed documents, DSA's context, the
+refusals and the cross-rank check)."""
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from transformers.masking_utils import find_packed_sequence_indices
+
+from torch_impl import _group, validation
+from torch_impl.hf._common import DOCUMENTS, IMPLEMENTATION, INDEXED, Arguments
+from torch_impl.hf.indexed import IndexedContext
+from torch_impl.metadata import gather_metadata
+
+IGNORE_INDEX = -100
+BATCH_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
+
+
+def global_positions(group, local_len, device):
+    """[1, L]: the global positions r*L .. (r+1)*L - 1 of this rank's tokens."""
+    first = _group.rank(group) * local_len
+    return torch.arange(first, first + local_len, device=device)[None]
+
+
+class ModelInputs:
+    """A forward pre-hook on the base model, for what a rank cannot see in its own tokens.
+
+    - position_ids: filled in with the global positions when absent. Given positions may restart
+      (packed sequences); where transformers then isolates the documents (no attention_mask, no
+      cache), the positions are gathered once per forward and their document ids, numbered as
+      transformers' `find_packed_sequence_indices` numbers them over the whole sequence, reach
+      every attention layer: the `cp_documents` kwarg ([B, S]; absent when nothing restarts).
+    - indexed_attention models get one `IndexedContext` as their mask, with the padding mask
+      gathered once per forward ([B, S]) and the documents, and no cache.
+    - a KV cache that already holds tokens is refused (each rank's cache would hold its own keys).
+    - with `validate` (parallelize's default), the ranks first compare their inputs in one
+      all-gather of a few integers (`signature`): ranks given different shapes or arguments, or
+      one whose own inputs were refused, raise ValueError on every rank instead of hanging or
+      returning inconsistent shards. Skipped inside torch.compile (it reads the result on the host).
+    """
+
+    def __init__(self, module, group, indexed, validate):
+        self.group, self.arguments, self.indexed = group, Arguments(module.forward), indexed
+        self.validate = validate
+
+    def __call__(self, module, args, kwargs):
+        argument = partial(self.arguments.get, args, kwargs)
+        tokens = argument("input_ids")
+        tokens = argument("inputs_embeds") if tokens is None else tokens
+        (B, L), cache, positions = tokens.shape[:2], argument("past_key_values"), argument("position_ids")
+        padding, creates_cache = argument("attention_mask"), _creates_cache(module, argument)
+        error = self.check(module, cache, padding)
+        if self.validate and not torch.compiler.is_compiling():  # no rank left waiting
+            fields = self.signature(argument, tokens, creates_cache)
+            failed, differ = validation.compare_ranks(error is None, fields, tokens, self.group)
+            if error is None and failed:
+                error = f"`{IMPLEMENTATION}`: CP ranks {failed} rejected their inputs"
+            elif error is None and differ:
+                error = (
+                    f"`{IMPLEMENTATION}`: CP ranks were given different inputs (1: passed, 0: not): "
+                    f"{differ}; every rank must get its shard of the same global batch "
+                    "(torch_impl.hf.shard_batch)"
+                )
+        if error:
+            raise ValueError(error)
+        documents = None
+        if positions is not None and padding is None and cache is None and not creates_cache:
+            everywhere = gather_metadata(positions.expand(B, -1).contiguous(), self.group)  # [B, S]
+            documents = find_packed_sequence_indices(everywhere)  # [B, S], or None: no position restarts
+        positions = global_positions(self.group, L, tokens.device) if positions is None else positions
+        if self.indexed:
+            padding = None if padding is None else gather_metadata(padding.bool(), self.group)  # [B, S]
+            context = IndexedContext(self.group, L, padding, documents)
+            return self.arguments.replace(
+                args,
+                kwargs,
+                attention_mask={INDEXED: context},
+                past_key_values=None,
+                position_ids=positions,
+                use_cache=False,
+            )
+        args, kwargs = self.arguments.replace(args, kwargs, position_ids=positions)
+        return args, kwargs if documents is None else kwargs | {DOCUMENTS: documents}
+
+    @staticmethod
+    def signature(argument, tokens, creates_cache):
+        """What must be the same on every CP rank: the shard's shape, which inputs were passed, and
+        whether the model makes a cache (which decides whether packed positions are gathered)."""
+        embeds = argument("input_ids") is None
+        return {
+            "batch": tokens.shape[0],
+            "local tokens": tokens.shape[1],
+            "inputs_embeds": int(embeds),
+            "embedding width": tokens.shape[-1] if embeds else 0,
+            "attention_mask": int(argument("attention_mask") is not None),
+            "position_ids": int(argument("position_ids") is not None),
+            "past_key_values": int(argument("past_key_values") is not None),
+            "use_cache": int(creates_cache),
+        }
+
+    @staticmethod
+    def check(module, cache, mask):
+        """What is wrong with this rank's inputs, or None."""
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.ndim != 2):
+            return (
+                f"`{IMPLEMENTATION}`: `attention_mask` must be the 2-D padding mask [B, L]; custom 4-D masks "
+                "(or prepared mask dicts) cannot be split across CP ranks"
+            )
+        if cache is not None and cache.get_seq_length() > 0:
+            return (
+                f"`{IMPLEMENTATION}`: {type(module).__name__} was called with a KV cache holding tokens; "
+                "generation with a cache is not supported under CP"
+            )
+        return None
+
+
+def _creates_cache(module, argument):
+    """Whether the model will make itself a KV cache in this call, as transformers decides (its
+    `merge_with_config_defaults`: use_cache, else the config's, off while checkpointing in training);
+    with one it does not look for packed sequences."""
+    use_cache = argument("use_cache")
+    use_cache = getattr(module.config, "use_cache", False) if use_cache is None else use_cache
+    return bool(use_cache) and not (getattr(module, "gradient_checkpointing", False) and module.training)
+
+
+def shard_batch(batch, group):
+    """This rank's model kwargs from a global batch of [B, S] tensors; the same keys for every n.
+
+    batch: `input_ids`, optionally `attention_mask` (1: token, 0: padding), `labels` (-100:
+    ignored) and `position_ids` (e.g. restarting at every document of a packed row), as the model
+    takes them without CP. Returns the [B, L] shards, `use_cache=False`, and for labels:
+    `shift_labels`, shifted over the *global* sequence (the last token of shard r predicts the first
+    of shard r+1), and `num_items_in_batch`, the global count of valid shifted labels, so that the
+    ranks' losses add up to the single-process mean. With data parallelism too, wrap the model
+    with `apply_fsdp` or `apply_ddp` (gradients summed over CP, averaged over DP); or set
+    `num_items_in_batch` to the count over all DP batches and pass them `global_num_items=True`.
+    Without CP (n = 1) the same keys, with the whole sequence.
+    """
+    group = _group.resolve_group(group)
+    unknown = sorted(set(batch) - set(BATCH_KEYS))
+    if unknown or "input_ids" not in batch:
+        raise ValueError(
+            f"`batch` must hold input_ids and optionally {BATCH_KEYS[1:]}, got keys {sorted(batch)}"
+        )
+    n, r = _group.world_size(group), _group.rank(group)
+    B, S = batch["input_ids"].shape
+    for key, value in batch.items():
+        if tuple(value.shape) != (B, S):
+            raise ValueError(
+                f"`batch[{key!r}]` must be [B, S] = {(B, S)} like input_ids, got {tuple(value.shape)}"
+            )
+    if S % n:
+        raise ValueError(f"the sequence length S={S} must be divisible by the CP size n={n}")
+    L = S // n
+    shard = slice(r * L, (r + 1) * L)
+    local = {key: value[:, shard].contiguous() for key, value in batch.items()}  # [B, L] each
+    local["use_cache"] = False
+    if "labels" in batch:
+        shifted = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)  # [B, S]: target of token t
+        local["shift_labels"] = shifted[:, shard].contiguous()  # [B, L]
+        local["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum()
+    return local

@@ -1,0 +1,246 @@
+"""`parallelize`: every token-mixing module of a model checked and planned before anything changes,
+then the model's attention switched to the registered implementation and hooks added."""
+
+from functools import partial
+import inspect
+import logging
+import re
+import sys
+
+import torch
+from torch import nn
+import torch.distributed as dist
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from transformers import PreTrainedConfig
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from torch_impl import _group
+from torch_impl.hf._common import IMPLEMENTATION, INDEXED
+from torch_impl.hf.attention import AttentionPlan
+from torch_impl.hf.indexed import AbsorbedMLA, BlockedIndexer, mix
+from torch_impl.hf.inputs import ModelInputs
+from torch_impl.hf.short_conv import ShortConvHalo
+
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "conv", INDEXED)
+SHORT_CONVS = ("Lfm2ShortConv", "Lfm2MoeShortConv")  # causal depthwise conv of in_proj's gated output
+RECURRENT = re.compile(r"Mamba|GatedDeltaNet|LinearAttention|Rwkv|RWKV|Recurrent|Retention|xLSTM|Ssm|SSM")
+log = logging.getLogger("torch_impl.hf")
+
+
+def _refuse(name, module, why):
+    return ValueError(f"torch_impl.hf.parallelize: {name or 'the model'} ({type(module).__name__}) {why}")
+
+
+def _check_configs(model):
+    """Model-wide refusals, from the model's config and its sub-models' (a catch-all after the walk)."""
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if not isinstance(config, PreTrainedConfig):
+            continue
+        if getattr(config, "is_encoder_decoder", False):
+            raise _refuse(name, module, "is an encoder-decoder model: cross attention is not supported")
+        if getattr(config, "attention_chunk_size", None):
+            raise _refuse(name, module, "uses chunked attention, which is not supported")
+        layer_types = set(getattr(config, "layer_types", None) or ())
+        unsupported = sorted(layer_types - set(SUPPORTED_LAYER_TYPES))
+        if unsupported:
+            raise _refuse(
+                name, module, f"has layers of types {unsupported}; supported: {SUPPORTED_LAYER_TYPES}"
+            )
+        if INDEXED in layer_types and layer_types != {INDEXED}:
+            raise _refuse(name, module, f"mixes {INDEXED!r} layers with {sorted(layer_types - {INDEXED})}")
+
+
+def _layer_type(module):
+    """The config's type for a module that knows its layer index (e.g. 'sliding_attention'), else None."""
+    types, index = (
+        getattr(getattr(module, "config", None), "layer_types", None),
+        getattr(module, "layer_idx", None),
+    )
+    return types[index] if types and isinstance(index, int) and 0 <= index < len(types) else None
+
+
+def _kind(name, module):
+    """'attention', 'short_conv', or None for a module that mixes no tokens itself; ValueError for a
+    module that mixes them in a way CP cannot reproduce exactly."""
+    layer_type = _layer_type(module)
+    if layer_type is not None and layer_type not in SUPPORTED_LAYER_TYPES:
+        raise _refuse(name, module, f"is a {layer_type!r} layer; supported: {SUPPORTED_LAYER_TYPES}")
+    if hasattr(module, "is_causal") and hasattr(module, "config"):  # transformers' attention modules
+        if not module.is_causal or getattr(module, "is_cross_attention", False):
+            raise _refuse(
+                name, module, "is bidirectional or cross attention; only causal attention is supported"
+            )
+        return "attention"
+    if type(module).__name__ in SHORT_CONVS:
+        return "short_conv"
+    if RECURRENT.search(type(module).__name__):
+        raise _refuse(
+            name, module, "carries recurrent state along the sequence, which CP cannot split exactly"
+        )
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)):
+        raise _refuse(name, module, "is a convolution over the sequence that the adapter does not know")
+    return None
+
+
+def _dense_reason(module):
+    """Why a layer's math must stay the model's own on a dense mask, or None (torch_impl.attention)."""
+    config = module.config
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "attention logit soft-capping"
+    if isinstance(getattr(module, "sinks", None), torch.Tensor):
+        return "attention sinks"
+    if getattr(config, "attention_dropout", 0.0) > 0:
+        return "attention dropout"
+    return None
+
+
+def _check_indexed(name, module):
+    """An indexed_attention layer is DeepSeek V3.2's / GLM-5's: MLA latents expanded by `expand_kv`
+    through a `kv_b_proj` without bias (absorbed exactly), an indexer (or, GLM-5's shared layers,
+    the previous layer's indices) with the forward the adapter calls, no attention dropout."""
+    if not callable(getattr(module, "expand_kv", None)) or not hasattr(module, "indexer"):
+        raise _refuse(name, module, f"is an {INDEXED!r} layer without MLA's expand_kv and an indexer")
+    projection = getattr(module, "kv_b_proj", None)
+    nope_dim = getattr(module, "qk_nope_head_dim", None)
+    if not isinstance(projection, nn.Linear) or projection.bias is not None or nope_dim is None:
+        raise _refuse(
+            name,
+            module,
+            f"is an {INDEXED!r} layer whose latents are not expanded by a `kv_b_proj` Linear without bias "
+            "(with `qk_nope_head_dim`): the absorbed attention could not reproduce it",
+        )
+    if module.indexer is not None:
+        names = list(inspect.signature(module.indexer.forward).parameters)[:6]
+        expected = ["hidden_states", "q_resid", "position_embeddings", "attention_mask", "position_ids"]
+        if names[:5] != expected or "past_key_values" not in names:
+            raise _refuse(name, module, f"has an indexer whose forward takes {names}, not {expected}")
+    if getattr(module.config, "attention_dropout", 0.0) > 0:
+        raise _refuse(name, module, f"is an {INDEXED!r} layer with attention dropout, which is not supported")
+
+
+def _attention_plan(name, module, group):
+    if _layer_type(module) == INDEXED:
+        _check_indexed(name, module)
+    implementation = module.config._attn_implementation
+    if implementation == "sdpa":
+        attend = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    elif implementation == "eager":
+        attend = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if attend is None:
+            raise _refuse(name, module, "uses eager attention but its module has no eager_attention_forward")
+    else:
+        raise _refuse(
+            name,
+            module,
+            f"uses attention {implementation!r}; only 'sdpa' and 'eager' take the global query and key "
+            "offsets of a CP rank (flash kernels align causal masks bottom-right)",
+        )
+    dense = None if _layer_type(module) == INDEXED else _dense_reason(module)
+    return AttentionPlan(group, attend, ALL_MASK_ATTENTION_FUNCTIONS[implementation], dense)
+
+
+def _plan(model, group):
+    """(attention modules with their plans, short convs): every token-mixing module, or ValueError."""
+    if not type(model)._can_set_attn_implementation():
+        raise _refuse("", model, "does not route its attention through transformers' AttentionInterface")
+    attentions, convs = [], {}
+    for name, module in model.named_modules():
+        if any(name.startswith(f"{conv}.") for conv in convs):
+            continue  # inside a short conv, which is handled whole
+        kind = _kind(name, module)
+        if kind == "attention":
+            attentions.append((module, _attention_plan(name, module, group)))
+        elif kind == "short_conv":
+            convs[name] = module
+    _check_configs(model)
+    return attentions, list(convs.values())
+
+
+def apply_attention(model, attentions):
+    """Every attention module gets its plan; the model switches to the registered implementation.
+    Returns which math each layer kind takes."""
+    paths = {}
+    for module, plan in attentions:
+        module.context_parallel = plan
+        kind = _layer_type(module) or type(module).__name__
+        paths[kind] = "torch_impl.attention" if plan.dense is None else f"dense [L, T] mask ({plan.dense})"
+        if kind == INDEXED:
+            paths[kind] = "blocked indexer, absorbed sparse attention over the causal prefix's latents"
+            mix(module, AbsorbedMLA)
+            if module.indexer is not None:
+                mix(module.indexer, BlockedIndexer)
+    model.set_attn_implementation(IMPLEMENTATION)
+    return paths
+
+
+def apply_inputs(model, group, validate):
+    """The base model's inputs: global positions, documents, indexed_attention's context, the
+    refusal of a filled KV cache and (validate) the cross-rank check."""
+    base = model.base_model
+    indexed = INDEXED in (getattr(base.config, "layer_types", None) or ())
+    base.register_forward_pre_hook(ModelInputs(base, group, indexed, validate), with_kwargs=True)
+
+
+def apply_short_conv(convs, group):
+    """Every short convolution gets the hooks that fetch its K-1 preceding tokens. Returns which
+    path they take."""
+    for module in convs:
+        halo = ShortConvHalo(module, group)
+        module.register_forward_pre_hook(halo.before, with_kwargs=True)
+        module.register_forward_hook(halo.after, with_kwargs=True)
+    return {type(module).__name__: "its own forward over a halo of kernel - 1 tokens" for module in convs}
+
+
+def parallelize(model, group, *, validate=True, verbose=True):
+    """Make a transformers causal LM context-parallel over `group`, in place; returns the model.
+
+    Every check runs before anything changes and before any communication, identically on every
+    rank: a layer that cannot be made exact raises `ValueError` naming it and why. Without CP
+    (`group` None or of size 1) the model is returned untouched.
+
+    validate: at every forward, before any other communication, the CP ranks compare their inputs
+        (the shard's shape, which arguments were passed) in one all-gather of a few integers, and
+        raise `ValueError` on every rank where they differ or some rank's were refused. False
+        skips that collective (it is skipped inside torch.compile either way).
+    verbose: print on global rank 0 one line saying which path each layer kind takes. Either way it is
+        logged (`torch_impl.hf`, INFO) and kept as `model.cp_transport_paths` ({layer kind: path}).
+    """
+    group = _group.resolve_group(group)
+    if _group.world_size(group) == 1:
+        return model
+    if model.config._attn_implementation == IMPLEMENTATION:
+        raise _refuse("", model, "is already context-parallel")
+    attentions, convs = _plan(model, group)
+    apply_inputs(model, group, validate)
+    paths = apply_attention(model, attentions) | apply_short_conv(convs, group)
+    model.cp_transport_paths = paths
+    summary = (
+        f"torch_impl.hf.parallelize: {type(model).__name__} over {_group.world_size(group)} CP ranks; "
+        + "; ".join(f"{kind}: {path}" for kind, path in paths.items())
+        + f"; inputs checked across ranks: {'yes' if validate else 'no'}"
+    )
+    log.info(summary)
+    if verbose and dist.get_rank() == 0:
+        print(summary, flush=True)
+    return model
+
+
+def _save_collectives(ctx, op, *args, **kwargs):
+    if op.namespace == "_c10d_functional":
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpoint_kwargs():
+    """Activation checkpointing that keeps the outputs of the transport's collectives instead of
+    recomputing them: `model.activation_checkpointing_enable(activation_checkpointing_kwargs=
+    hf.checkpoint_kwargs())` (older transformers: `gradient_checkpointing_enable`). Required with
+    torch.compile: recomputed inside a compiled backward, a collective whose output a rank does not
+    need (rank 0's empty halo) is dropped by the compiler on that rank only, and its peers wait
+    forever. (Eager recomputation runs every collective on every rank again, in order.)"""
+    return {
+        "use_reentrant": False,
+        "context_fn": partial(create_selective_checkpoint_contexts, _save_collectives),
+    }
