@@ -59,3 +59,54 @@ def stamped(shape, dtype, offset=1):
 def small_ints(rng, shape, dtype, bound=3):
     """Random integers in [-bound, bound]: sums of a few stay exact in every float dtype."""
     return rng.integers(-bound, bound + 1, size=shape).astype(dtype)
+
+
+# --- layouts: which global tokens a rank's local rows hold (torch_impl.layout) -------------------
+
+
+def local_tokens(n, L, r, layout="contiguous"):
+    """The global token of each of rank r's L local rows: chunk r (contiguous), or chunks r and
+    2n-1-r of L/2 tokens (head_tail)."""
+    if layout == "contiguous":
+        return list(range(r * L, (r + 1) * L))
+    C = L // 2
+    return [c * C + i for c in (r, 2 * n - 1 - r) for i in range(C)]
+
+
+def device_order(x, n, layout):
+    """Global [B, n*L, ...] -> the ranks' shards one after the other (what shard_map splits)."""
+    L = x.shape[1] // n
+    return np.concatenate([x[:, local_tokens(n, L, r, layout)] for r in range(n)], axis=1)
+
+
+def halo_segments(n, L, r, halo_size, layout):
+    """Per local chunk of rank r: (window length h, global tokens of the window and the chunk)."""
+    C = L if layout == "contiguous" else L // 2
+    chunks = (r,) if layout == "contiguous" else (r, 2 * n - 1 - r)
+    return [(min(c * C, halo_size), range(c * C - min(c * C, halo_size), (c + 1) * C)) for c in chunks]
+
+
+def layout_halo_forward(x, n, halo_size, left_padding, layout):
+    """x global. Per rank, per local chunk: left_padding zeros, its window, the chunk."""
+    L = x.shape[1] // n
+    outs = []
+    for r in range(n):
+        parts = []
+        for _, tokens in halo_segments(n, L, r, halo_size, layout):
+            parts += [np.zeros((x.shape[0], left_padding, *x.shape[2:]), x.dtype), x[:, list(tokens)]]
+        outs.append(np.concatenate(parts, axis=1))
+    return outs
+
+
+def layout_halo_backward(cotangents, n, L, halo_size, left_padding, layout, dtype):
+    """Global grad: every rank's cotangent added at the global token each position holds."""
+    B, rest = cotangents[0].shape[0], cotangents[0].shape[2:]
+    grad = np.zeros((B, n * L, *rest), dtype)
+    for r, ct in enumerate(cotangents):
+        row = 0
+        for _, tokens in halo_segments(n, L, r, halo_size, layout):
+            row += left_padding
+            for token in tokens:
+                grad[:, token] += ct[:, row]
+                row += 1
+    return grad

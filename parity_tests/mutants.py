@@ -23,14 +23,14 @@ class _HaloGradToWrongOwner(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, halo_size, left_padding):
         plan = torch_impl.halo_plan(dist.get_world_size(group), x.shape[1], halo_size)
-        ctx.group, ctx.left_padding = group, left_padding
-        ctx.halo_len = min(dist.get_rank(group) * x.shape[1], halo_size)
+        ctx.group, ctx.left_padding, ctx.C = group, left_padding, x.shape[1]
+        ctx.lens = [min(dist.get_rank(group) * x.shape[1], halo_size)]
         ctx.wrong_plan = tuple(t._replace(src=t.dst - 1) for t in plan)
-        return halo_module._halo_forward(x, group, plan, ctx.halo_len, left_padding)
+        return halo_module._halo_forward(x, group, plan, ctx.lens, left_padding, ctx.C)
 
     @staticmethod
     def backward(ctx, grad):
-        args = (ctx.group, ctx.wrong_plan, ctx.halo_len, ctx.left_padding)
+        args = (ctx.group, ctx.wrong_plan, ctx.lens, ctx.left_padding, ctx.C)
         return halo_module._halo_backward(grad, *args), None, None, None
 
 

@@ -199,9 +199,9 @@ def test_sparse_mla_attention_on_cuda_equals_the_cpu_math(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_transport_on_cuda_through_the_fake_group(dtype):
-    """Rank 3 of 4 (L = 16): every function's shapes, dtype and device, its own rows exactly, the
-    left padding's zeros, gradients of the input's shape, and no host synchronization (a copy to
-    the host would raise under the sync debug mode)."""
+    """Rank 3 of 4 (L = 16): every function's shapes, dtype and device, its own rows exactly (in both
+    layouts), the left padding's zeros, gradients of the input's shape, and no host synchronization
+    (a copy to the host would raise under the sync debug mode)."""
     L, n, r = 16, 4, 3
     x = torch.randn(2, L, 3, 8, device=CUDA, dtype=dtype, requires_grad=True)
     positions = torch.arange(r * L, (r + 1) * L, device=CUDA).expand(2, L)
@@ -212,6 +212,12 @@ def test_transport_on_cuda_through_the_fake_group(dtype):
             full = gather_sequence(x, group)  # [2, n*L, 3, 8]
             halos = {h: gather_halo(x, group, h) for h in (0, 5, 16, 40)}  # 40: three earlier ranks
             padded = gather_halo(x, group, 5, left_padding=3)
+            # head_tail: chunks 3 and 4 of C = 8; windows of 5 and of 20 (from chunks 3, 2 and 1)
+            balanced = (
+                gather_sequence(x, group, layout="head_tail"),
+                gather_halo(x, group, 20, layout="head_tail"),
+            )
+            balanced[0].sum().backward(retain_graph=True)
             meta = gather_metadata(positions, group), gather_metadata(mask, group)
             (full.sum() + sum(y.sum() for y in halos.values()) + padded.sum()).backward()
         finally:
@@ -227,6 +233,16 @@ def test_transport_on_cuda_through_the_fake_group(dtype):
     assert meta[0].dtype == torch.int64 and torch.equal(meta[0][:, r * L :], positions)
     assert meta[1].dtype == torch.bool and bool(meta[1][:, r * L :].all())
     assert x.grad.shape == x.shape and x.grad.device.type == "cuda"
+    C = L // 2
+    assert balanced[0].shape == (2, n * L, 3, 8)
+    assert torch.equal(balanced[0][:, 3 * C : 4 * C], x[:, :C]) and torch.equal(
+        balanced[0][:, 4 * C : 5 * C], x[:, C:]
+    )
+    assert balanced[1].shape == (2, (20 + C) * 2, 3, 8)  # both chunks' windows are full
+    assert torch.equal(balanced[1][:, 20 : 20 + C], x[:, :C]) and torch.equal(balanced[1][:, -C:], x[:, C:])
+    assert torch.equal(
+        balanced[1][:, 20 + C + 20 - C : 20 + C + 20], x[:, :C]
+    )  # chunk 4's window ends with chunk 3
 
 
 def test_transport_without_cp_on_one_nccl_rank():

@@ -131,3 +131,77 @@ def test_bad_arguments_raise_value_error(call, match):
     x = jnp.zeros((1, 3))
     with pytest.raises(ValueError, match=match):
         call(x)
+
+
+# --- layouts ---------------------------------------------------------------------------------
+
+
+def head_tail_cases():
+    for n in (1, 2, 3, 4):
+        for halo_size in sorted({0, 1, 2, 3, 4, 7, (2 * n - 1) * 2, 4 * n + 3}):  # C = 2: 1-3+ chunks
+            yield n, halo_size, 1 if halo_size % 2 else 0
+
+
+@pytest.mark.parametrize("n,halo_size,left_padding", list(head_tail_cases()))
+def test_head_tail_layout_forward_and_vjp(n, halo_size, left_padding):
+    """Device r holds chunks r and 2n-1-r (C = 2 tokens): gather_sequence and gather_metadata give
+    the global order; gather_halo each chunk's own window (zeros in front to the static length);
+    gradients reach the owners. Inputs and gradients travel in device order."""
+    C, L = 2, 4
+    x = expected.stamped((2, n * L, 3), np.float32)  # global order
+    xd = expected.device_order(x, n, "head_tail")
+    layout = {"layout": "head_tail"}
+    static = [
+        left_padding + min(halo_size, (n - 1) * C) + C,
+        left_padding + min(halo_size, (2 * n - 1) * C) + C,
+    ]
+    rng = np.random.default_rng(n * 100 + halo_size)
+    ct = expected.small_ints(rng, (n, 2, sum(static), 3), np.float32)
+
+    y, grad = jax_harness.run(
+        "gather_halo", xd, n, ct, halo_size=halo_size, left_padding=left_padding, **layout
+    )
+    want = expected.layout_halo_forward(x, n, halo_size, left_padding, "head_tail")
+    visible = []
+    for r in range(n):
+        lens = [left_padding + h + C for h, _ in expected.halo_segments(n, L, r, halo_size, "head_tail")]
+        got_parts, ct_parts = [], []
+        for k, start in enumerate((0, static[0])):
+            got_parts.append(unpad(y[r][:, start : start + static[k]], lens[k]))
+            ct_parts.append(ct[r][:, start + static[k] - lens[k] : start + static[k]])
+        np.testing.assert_array_equal(np.concatenate(got_parts, axis=1), want[r])
+        visible.append(np.concatenate(ct_parts, axis=1))
+    want_grad = expected.layout_halo_backward(visible, n, L, halo_size, left_padding, "head_tail", np.float32)
+    np.testing.assert_array_equal(grad, expected.device_order(want_grad, n, "head_tail"))
+
+    cts = expected.small_ints(rng, (n, 2, n * L, 3), np.float32)
+    y, grad = jax_harness.run("gather_sequence", xd, n, cts, **layout)
+    for r in range(n):
+        np.testing.assert_array_equal(y[r], x)
+    np.testing.assert_array_equal(grad, expected.device_order(cts.sum(0), n, "head_tail"))
+    y, _ = jax_harness.run("gather_metadata", xd.astype(np.int32), n, **layout)
+    for r in range(n):
+        np.testing.assert_array_equal(y[r], x.astype(np.int32))
+
+
+def test_head_tail_worked_example():
+    """The module docstring's example: n=2, L=2, halo_size=2."""
+    y, _ = jax_harness.run(
+        "gather_halo", np.array([[0, 3, 1, 2]], np.float32), 2, halo_size=2, layout="head_tail"
+    )
+    assert y[:, 0].tolist() == [[0, 0, 1, 2, 3], [0, 1, 0, 1, 2]]
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda x: jax_reference.gather_halo(x, "cp", 1, layout="zigzag"), "`layout` must be one of"),
+        (
+            lambda x: jax_reference.gather_sequence(x, "cp", layout="head_tail"),
+            "needs an even local_sequence",
+        ),
+    ],
+)
+def test_bad_layouts_raise_value_error(call, match):
+    with pytest.raises(ValueError, match=match):
+        call(jnp.zeros((1, 3)))

@@ -210,6 +210,119 @@ def test_gather_metadata_parity(pool, n):
                 np.testing.assert_array_equal(as_numpy(got), y[r].astype(as_numpy(got).dtype))
 
 
+# --- the head_tail layout --------------------------------------------------------------------
+
+HEAD_TAIL = [  # (n, C, batch, trailing, dtype): L = 2C
+    (1, 2, 1, (), "float32"),
+    (2, 1, 2, (3,), "bfloat16"),
+    (2, 3, 1, (2, 3), "float64"),
+    (3, 2, 2, (), "float16"),
+    (4, 2, 1, (3,), "float32"),
+    (8, 1, 1, (), "bfloat16"),
+]
+
+
+def check_head_tail_halo(pool, n, C, batch, trailing, dtype, kind, transport):
+    """Every chunk's window against JAX's static-shape one (per chunk: zeros in front, then equal),
+    halo sizes from none through windows spanning one to three chunks to more than the prefix."""
+    L, layout = 2 * C, "head_tail"
+    rng = np.random.default_rng(n * 10 + C)
+    x = make_data(kind, (batch, n * L, *trailing), dtype, rng)  # device order: rank r's rows r*L ..
+    combos = [
+        (h, lp)
+        for h in sorted({0, 1, C, C + 1, 2 * C + 1, 3 * C, (2 * n - 1) * C, 2 * n * C + 3})
+        for lp in (0, 2)
+    ]
+    statics = [[lp + min(h, (n - 1) * C) + C, lp + min(h, (2 * n - 1) * C) + C] for h, lp in combos]
+    cotangents = [make_cotangent(kind, (n, batch, sum(static), *trailing), dtype, rng) for static in statics]
+    ys, grads = jax_harness.run_many(
+        "gather_halo",
+        jax_array(x, dtype),
+        n,
+        [{"halo_size": h, "left_padding": lp, "layout": layout} for h, lp in combos],
+        [jax_array(ct, dtype) for ct in cotangents],
+    )
+
+    def parts(h, lp, r, static):
+        """Per chunk: (JAX's rows of its static segment, torch's length)."""
+        lens = [lp + w + C for w, _ in expected.halo_segments(n, L, r, h, layout)]
+        return [
+            (slice(start, start + size), n_)
+            for start, size, n_ in zip((0, static[0]), static, lens, strict=True)
+        ]
+
+    configs = []
+    for (h, lp), static, ct in zip(combos, statics, cotangents, strict=True):
+        torch_cts = []
+        for r in range(n):
+            torch_cts.append(
+                np.concatenate([ct[r][:, rows][:, -n_:] for rows, n_ in parts(h, lp, r, static)], axis=1)
+            )
+        configs.append(
+            {
+                "x": x,
+                "cotangents": torch_cts,
+                "dtype": dtype,
+                "halo_size": h,
+                "left_padding": lp,
+                "layout": layout,
+                "noncontiguous": h % 2 == 1,
+            }
+        )
+    results = pool.run(layout_for(n, C), torch_cases.halo, configs, transport)
+    for i, ((h, lp), static, c) in enumerate(zip(combos, statics, configs, strict=True)):
+        visible = [np.abs(a) for a in c["cotangents"]]
+        abs_sum = expected.layout_halo_backward(visible, n, L, h, lp, layout, np.float64)
+        abs_sum = expected.device_order(abs_sum, n, layout)
+        for g, r, res in ((g, r, res) for g, rs in enumerate(results) for r, res in enumerate(rs)):
+            where = f"head_tail n={n} C={C} halo_size={h} left_padding={lp} group {g} rank {r}"
+            y, jax_y, row = as_numpy(res[i]["y"]), ys[i][r].astype(np.float64), 0
+            assert y.shape[1] == sum(n_ for _, n_ in parts(h, lp, r, static)), where
+            for rows, n_ in parts(h, lp, r, static):
+                segment = jax_y[:, rows]
+                assert not segment[:, : segment.shape[1] - n_].any(), where
+                np.testing.assert_array_equal(y[:, row : row + n_], segment[:, -n_:], err_msg=where)
+                row += n_
+            sl = slice(r * L, (r + 1) * L)
+            check_gradient(res[i]["grad"], grads[i][:, sl], abs_sum[:, sl], n, dtype, kind, where)
+            assert not res[i]["mutated"] and not res[i]["cotangent_mutated"], where
+
+
+@pytest.mark.parametrize("transport", HALO_PATHS)
+@pytest.mark.parametrize("kind", DATA)
+@pytest.mark.parametrize("n,C,batch,trailing,dtype", HEAD_TAIL, ids=str)
+def test_head_tail_halo_parity(pool, n, C, batch, trailing, dtype, kind, transport):
+    check_head_tail_halo(pool, n, C, batch, trailing, dtype, kind, transport)
+
+
+@pytest.mark.parametrize("kind", DATA)
+@pytest.mark.parametrize("n,C,batch,trailing,dtype", HEAD_TAIL, ids=str)
+def test_head_tail_sequence_and_metadata_parity(pool, n, C, batch, trailing, dtype, kind):
+    """gather_sequence: the global order on every rank, gradients summed back to the owners of
+    both chunks; gather_metadata: the same order, no gradient."""
+    L, layout = 2 * C, "head_tail"
+    rng = np.random.default_rng(n + C)
+    x = make_data(kind, (batch, n * L, *trailing), dtype, rng)  # device order
+    ct = make_cotangent(kind, (n, batch, n * L, *trailing), dtype, rng)
+    y, grad = jax_harness.run("gather_sequence", jax_array(x, dtype), n, jax_array(ct, dtype), layout=layout)
+    config = {"x": x, "cotangents": list(ct), "dtype": dtype, "layout": layout, "noncontiguous": C % 2 == 1}
+    positions = expected.device_order(np.broadcast_to(np.arange(n * L), (batch, n * L)), n, layout)
+    meta = {"x": positions, "dtype": "int64", "layout": layout}
+    seqs = pool.run(layout_for(n, C), torch_cases.sequence, [config])
+    metas = pool.run(layout_for(n, C), torch_cases.metadata, [meta])
+    abs_sum = expected.device_order(np.abs(ct).sum(0), n, layout)
+    for g, (seq, met) in enumerate(zip(seqs, metas, strict=True)):
+        for r in range(n):
+            where = f"head_tail n={n} C={C} group {g} rank {r}"
+            res = seq[r][0]
+            np.testing.assert_array_equal(as_numpy(res["y"]), y[r].astype(np.float64), err_msg=where)
+            sl = slice(r * L, (r + 1) * L)
+            check_gradient(res["grad"], grad[:, sl], abs_sum[:, sl], n, dtype, kind, where)
+            assert not res["mutated"] and not res["cotangent_mutated"], where
+            global_order = np.broadcast_to(np.arange(n * L), (batch, n * L))
+            np.testing.assert_array_equal(met[r][0]["y"].numpy(), global_order, err_msg=where)
+
+
 # --- random configurations --------------------------------------------------------------------
 
 

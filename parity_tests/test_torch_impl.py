@@ -67,9 +67,9 @@ def test_halo_plan_matches_brute_force(n, local_len):
 def test_halo_plan_example():
     """n=3, L=2, halo_size=3: rank 1 gets tokens 0-1 from rank 0; rank 2 gets 1 from 0 and 2-3 from 1."""
     assert torch_impl.halo_plan(3, 2, 3) == (
-        torch_impl.Transfer(src=0, dst=1, dst_start=0, length=2),
-        torch_impl.Transfer(src=1, dst=2, dst_start=1, length=2),
-        torch_impl.Transfer(src=0, dst=2, dst_start=0, length=1),
+        torch_impl.Transfer(src=0, dst=1, dst_start=0, length=2, src_start=0),
+        torch_impl.Transfer(src=1, dst=2, dst_start=1, length=2, src_start=0),
+        torch_impl.Transfer(src=0, dst=2, dst_start=0, length=1, src_start=1),
     )
 
 

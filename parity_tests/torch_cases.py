@@ -20,7 +20,8 @@ DTYPES = {
 
 
 def local_shard(global_x, group, dtype, noncontiguous=False):
-    """Rank r's tokens [r*L, (r+1)*L) of global_x as a torch tensor; optionally a strided view."""
+    """Rank r's rows [r*L, (r+1)*L) of global_x (for layouts other than contiguous, global_x comes
+    in device order: expected.device_order) as a torch tensor; optionally a strided view."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     L = global_x.shape[1] // n
     x = torch.from_numpy(np.ascontiguousarray(global_x[:, r * L : (r + 1) * L])).to(DTYPES[dtype])
@@ -55,24 +56,33 @@ def _transport(name):
     return getattr(importlib.import_module(module), function)
 
 
+def _layout(config):
+    """The layout keyword where a configuration names one (the mutants take none)."""
+    return {"layout": config["layout"]} if "layout" in config else {}
+
+
 def halo(group, configs, transport="torch_impl.gather_halo"):
     gather_halo = _transport(transport)
     return [
-        _forward_backward(lambda x, c=c: gather_halo(x, group, c["halo_size"], c["left_padding"]), group, c)
+        _forward_backward(
+            lambda x, c=c: gather_halo(x, group, c["halo_size"], c["left_padding"], **_layout(c)), group, c
+        )
         for c in configs
     ]
 
 
 def sequence(group, configs, transport="torch_impl.gather_sequence"):
     gather_sequence = _transport(transport)
-    return [_forward_backward(lambda x: gather_sequence(x, group), group, c) for c in configs]
+    return [
+        _forward_backward(lambda x, c=c: gather_sequence(x, group, **_layout(c)), group, c) for c in configs
+    ]
 
 
 def metadata(group, configs):
     out = []
     for c in configs:
         x = local_shard(c["x"], group, c["dtype"], c.get("noncontiguous", False))
-        y = torch_impl.gather_metadata(x, group)
+        y = torch_impl.gather_metadata(x, group, **_layout(c))
         out.append({"y": y.clone(), "y_is_x": y is x, "requires_grad": y.requires_grad})
     return out
 

@@ -7,31 +7,48 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from torch_impl import _group, validation
+from torch_impl.layout import chunk_len, chunks
 
 
 class Transfer(NamedTuple):
-    """One piece of a halo: the last `length` tokens of rank `src`'s shard, for rank `dst`'s halo."""
+    """One piece of a halo: `length` tokens of rank `src`'s shard, for the window of one of rank
+    `dst`'s chunks."""
 
-    src: int  # group rank that owns the tokens; it sends its local tokens [L - length, L)
-    dst: int  # group rank whose halo holds them, at halo positions [dst_start, dst_start + length)
+    src: int  # group rank that owns the tokens
+    dst: int  # group rank whose chunk's window holds them, at window positions [dst_start, + length)
     dst_start: int
     length: int
+    src_start: int  # src's local rows [src_start, src_start + length): the end of one of its chunks
+    dst_chunk: int = 0  # which of dst's local chunks (head_tail: 0 head, 1 tail)
 
 
-def halo_plan(world_size, local_len, halo_size):
+def window_lens(layout, world_size, rank, local_len, halo_size):
+    """Per local chunk of `rank`: how many tokens its window holds, min(c*C, halo_size)."""
+    C = chunk_len(layout, local_len)
+    return [min(c * C, halo_size) for c in chunks(layout, world_size, rank)]
+
+
+def halo_plan(world_size, local_len, halo_size, layout="contiguous"):
     """Every transfer of a halo exchange, for both directions: forward src -> dst, backward dst -> src.
 
-    Rank r's halo is the global tokens [r*L - h, r*L) with h = min(r*L, halo_size). The rank s places
-    earlier sends its last min(L, h - (s-1)*L) tokens, which land right before those of rank r - s + 1.
+    The window of chunk c (C tokens) is the global tokens [cC - h, cC), h = min(cC, halo_size). Chunk
+    c - s (s = 1, 2, ...) gives its last min(C, h - (s-1)*C) tokens, which land right before those
+    of chunk c - s + 1. Contiguous: chunk r is rank r's shard (C = L), so rank r - s sends its tail.
+    A transfer with src == dst (head_tail: rank n-1's tail reaching its own head) is a local copy.
     """
+    held = [chunks(layout, world_size, r) for r in range(world_size)]
+    C = chunk_len(layout, local_len)
+    owner = {c: (r, p) for r in range(world_size) for p, c in enumerate(held[r])}
     plan = []
-    for dst in range(1, world_size):
-        h = min(dst * local_len, halo_size)
-        for s in range(1, dst + 1):
-            length = min(local_len, h - (s - 1) * local_len)
-            if length <= 0:
-                break
-            plan.append(Transfer(dst - s, dst, h - (s - 1) * local_len - length, length))
+    for dst in range(world_size):
+        for k, c in enumerate(held[dst]):
+            h = min(c * C, halo_size)
+            for s in range(1, c + 1):
+                length = min(C, h - (s - 1) * C)
+                if length <= 0:
+                    break
+                src, p = owner[c - s]
+                plan.append(Transfer(src, dst, h - (s - 1) * C - length, length, (p + 1) * C - length, k))
     return tuple(plan)
 
 
@@ -42,123 +59,173 @@ def start_exchange(sends, recvs, group):
     return dist.batch_isend_irecv(ops) if ops else []
 
 
-def _halo_forward(x, group, plan, halo_len, left_padding):
-    """x: [B, L, ...] -> [B, left_padding + halo_len + L, ...]; pieces land in views of one buffer."""
-    r, L = _group.rank(group), x.shape[1]
-    sent = [t for t in plan if t.src == r]
-    longest = max([t.length for t in sent] + [0])
-    tail = _group.seq_major(x[:, L - longest :])  # [longest, B, ...]; a view when B == 1
-    out = x.new_empty((left_padding + halo_len + L, x.shape[0], *x.shape[2:]))  # [T, B, ...]
-    halo = out[left_padding : left_padding + halo_len]  # [halo_len, B, ...]
+def _segments(lens, C, left_padding):
+    """Per local chunk k, the output row where its window starts: [left_padding zeros, window, chunk]
+    segments one after the other. Returns (window starts, total rows)."""
+    starts, row = [], 0
+    for h in lens:
+        starts.append(row + left_padding)
+        row += left_padding + h + C
+    return starts, row
+
+
+def _halo_forward(x, group, plan, lens, left_padding, C):
+    """x: [B, L, ...] -> [B, sum_k (left_padding + h_k + C), ...]; pieces land in views of one buffer."""
+    r = _group.rank(group)
+    starts, T = _segments(lens, C, left_padding)
+    sent = [t for t in plan if t.src == r and t.dst != r]
+    longest = {}  # local chunk -> the longest tail it sends: one sequence-major copy per chunk
+    for t in sent:
+        end = t.src_start + t.length
+        longest[end] = max(longest.get(end, 0), t.length)
+    tails = {end: _group.seq_major(x[:, end - n : end]) for end, n in longest.items()}  # [n, B, ...]
+    out = x.new_empty((T, x.shape[0], *x.shape[2:]))  # [T, B, ...]
+
+    def window(t):
+        return out[starts[t.dst_chunk] + t.dst_start : starts[t.dst_chunk] + t.dst_start + t.length]
+
     works = start_exchange(
-        [(t.dst, tail[longest - t.length :]) for t in sent],  # [length, B, ...]
-        [(t.src, halo[t.dst_start : t.dst_start + t.length]) for t in plan if t.dst == r],
+        [(t.dst, tails[t.src_start + t.length][-t.length :]) for t in sent],  # [length, B, ...]
+        [(t.src, window(t)) for t in plan if t.dst == r and t.src != r],
         group,
     )
-    out[:left_padding].zero_()  # [left_padding, B, ...]
-    out[left_padding + halo_len :].copy_(x.transpose(0, 1))  # [L, B, ...]
+    xs = x.transpose(0, 1)  # [L, B, ...]
+    for k, (start, h) in enumerate(zip(starts, lens, strict=True)):
+        out[start - left_padding : start].zero_()  # [left_padding, B, ...]
+        out[start + h : start + h + C].copy_(xs[k * C : (k + 1) * C])  # [C, B, ...]
+    for t in plan:
+        if t.src == t.dst == r:
+            window(t).copy_(xs[t.src_start : t.src_start + t.length])
     for work in works:
         work.wait()
     return out.transpose(0, 1)  # [B, T, ...]
 
 
-def _halo_backward(grad, group, plan, halo_len, left_padding):
-    """grad: [B, left_padding + halo_len + L, ...] -> [B, L, ...]: local part plus the returned halo grads."""
+def _halo_backward(grad, group, plan, lens, left_padding, C):
+    """grad: [B, sum_k (left_padding + h_k + C), ...] -> [B, L, ...]: the local chunks' gradient
+    plus the gradients of every window piece this rank's tokens filled."""
     r = _group.rank(group)
-    local = grad[:, left_padding + halo_len :].transpose(0, 1)  # [L, B, ...]
-    halo = grad[:, left_padding : left_padding + halo_len]  # [B, halo_len, ...]
-    returned = [t for t in plan if t.src == r]  # the tails this rank sent; their grads come back
-    bufs = [local.new_empty((t.length, *local.shape[1:])) for t in returned]  # [length, B, ...]
+    starts, _ = _segments(lens, C, left_padding)
+    gs = grad.transpose(0, 1)  # [T, B, ...]
+
+    def window(t):
+        return gs[starts[t.dst_chunk] + t.dst_start : starts[t.dst_chunk] + t.dst_start + t.length]
+
+    own = [gs[start + h : start + h + C] for start, h in zip(starts, lens, strict=True)]  # [C, B, ...] each
+    returned = [t for t in plan if t.src == r and t.dst != r]  # pieces this rank sent: grads come back
+    bufs = [gs.new_empty((t.length, *gs.shape[1:])) for t in returned]  # [length, B, ...]
     works = start_exchange(
-        [
-            (t.src, _group.seq_major(halo[:, t.dst_start : t.dst_start + t.length]))
-            for t in plan
-            if t.dst == r
-        ],
+        [(t.src, window(t).contiguous()) for t in plan if t.dst == r and t.src != r],
         [(t.dst, buf) for t, buf in zip(returned, bufs, strict=True)],
         group,
     )
-    if returned:  # grad_output is not ours to add into
-        local = local.clone(memory_format=torch.contiguous_format)  # [L, B, ...]
+    selves = [t for t in plan if t.src == t.dst == r]
+    if len(own) > 1 or returned or selves:  # grad_output is not ours to add into
+        local = torch.cat(own).contiguous()  # [L, B, ...]
+    else:
+        local = own[0]
+    for t in selves:
+        local[t.src_start : t.src_start + t.length] += window(t)
     for work in works:
         work.wait()
-    for buf in bufs:
-        local[local.shape[0] - buf.shape[0] :] += buf  # [length, B, ...]: the tail that was sent
+    for t, buf in zip(returned, bufs, strict=True):
+        local[t.src_start : t.src_start + t.length] += buf  # the chunk end that was sent
     return local.transpose(0, 1)  # [B, L, ...]
 
 
-def halo_all_to_all(x, group, halo_size, left_padding=0):
+def halo_all_to_all(x, group, halo_size, left_padding=0, layout="contiguous"):
     """gather_halo's exchange as one functional all_to_all_single: the path torch.compile traces.
 
-    Each rank sends every peer the tail that peer's halo needs and receives its own halo, with the
-    per-peer split sizes of halo_plan (zero for every pair that exchanges nothing, so the payload
-    is the same minimum). Pieces arrive in rank order, which is halo order (farthest first).
-    Backward: the all_to_all with the splits swapped returns each piece's gradient to its owner,
-    where autograd adds it onto the tail it came from. Same arguments and result as gather_halo.
+    Each rank sends every peer the pieces that peer's windows need (in plan order) and receives its
+    own, with per-peer split sizes from halo_plan (zero for every pair that exchanges nothing, so
+    the payload is the same minimum); pieces from itself are sliced locally. Backward: the
+    all_to_all with the splits swapped returns each piece's gradient to its owner, where autograd
+    adds it onto the rows it came from. Same arguments and result as gather_halo.
     """
     n, r, L = _group.world_size(group), _group.rank(group), x.shape[1]
-    sends, recvs = [0] * n, [0] * n
-    for t in halo_plan(n, L, halo_size):
-        if t.src == r:
-            sends[t.dst] = t.length
-        if t.dst == r:
-            recvs[t.src] = t.length
+    C, plan = chunk_len(layout, L), halo_plan(n, L, halo_size, layout)
+    lens = window_lens(layout, n, r, L, halo_size)
     xs = x.transpose(0, 1)  # [L, B, ...]
-    tails = torch.cat([xs[L - k :] for k in sends])  # [sum(sends), B, ...], one tail per peer in order
-    halo = funcol.all_to_all_single_autograd(tails, recvs, sends, group)  # [h, B, ...]
+    outgoing = [[t for t in plan if t.src == r and t.dst == peer != r] for peer in range(n)]
+    incoming = [[i for i, t in enumerate(plan) if t.dst == r and t.src == peer != r] for peer in range(n)]
+    sends = [sum(t.length for t in ts) for ts in outgoing]
+    recvs = [sum(plan[i].length for i in ids) for ids in incoming]
+    payload = torch.cat([xs[:0]] + [xs[t.src_start : t.src_start + t.length] for ts in outgoing for t in ts])
+    received = funcol.all_to_all_single_autograd(payload, recvs, sends, group)  # [sum(recvs), B, ...]
+    row, pieces = 0, {}  # plan index -> its rows, in the order the peers packed them
+    for i in (i for ids in incoming for i in ids):
+        pieces[i] = received[row : row + plan[i].length]
+        row += plan[i].length
     zeros = xs.new_zeros((left_padding, *xs.shape[1:]))  # [left_padding, B, ...]
-    return torch.cat([zeros, halo, xs]).transpose(0, 1)  # [B, left_padding + h + L, ...]
+    # a rank that receives nothing still joins the backward all_to_all: its empty result stays in
+    # the graph (else autograd, or the compiler, drops the collective on that rank only)
+    segments = [] if row else [received]
+    for k in range(len(lens)):
+        window = [i for i, t in enumerate(plan) if t.dst == r and t.dst_chunk == k][::-1]  # farthest first
+        for i in window:
+            t = plan[i]
+            if t.src == r:  # a piece of its own chunks
+                pieces[i] = xs[t.src_start : t.src_start + t.length]
+        segments += [zeros, *(pieces[i] for i in window), xs[k * C : (k + 1) * C]]
+    return torch.cat(segments).transpose(0, 1)  # [B, sum_k (left_padding + h_k + C), ...]
 
 
 class _GatherHalo(torch.autograd.Function):
-    """Exchange only the preceding window and return its gradients to its owners.
+    """Exchange only the preceding windows and return their gradients to their owners.
 
-    Forward: (1) plan the transfers; (2) post sends of this rank's needed tails and receives straight
-    into the halo's views of one output buffer; (3) zero the padding and copy x behind the halo.
-    Backward: (1) the same plan; (2) send each halo piece's gradient back to its owner; (3) add the
-    received gradients onto the tails of a copy of the local part's gradient.
+    Forward: (1) plan the transfers; (2) post sends of this rank's needed chunk ends and receives
+    straight into the windows' views of one output buffer; (3) zero the padding, copy the chunks
+    behind their windows (and pieces of its own chunks, head_tail's rank n-1). Backward: (1) the same
+    plan; (2) send each window piece's gradient back to its owner; (3) add the received gradients
+    onto the rows they came from, in a copy of the local chunks' gradient.
     """
 
     @staticmethod
-    def forward(ctx, x, group, halo_size, left_padding):
-        ctx.group, ctx.left_padding = group, left_padding
-        ctx.plan = halo_plan(_group.world_size(group), x.shape[1], halo_size)
-        ctx.halo_len = min(_group.rank(group) * x.shape[1], halo_size)
-        return _halo_forward(x, group, ctx.plan, ctx.halo_len, left_padding)
+    def forward(ctx, x, group, halo_size, left_padding, layout):
+        n, r, L = _group.world_size(group), _group.rank(group), x.shape[1]
+        ctx.group, ctx.left_padding, ctx.C = group, left_padding, chunk_len(layout, L)
+        ctx.plan = halo_plan(n, L, halo_size, layout)
+        ctx.lens = window_lens(layout, n, r, L, halo_size)
+        return _halo_forward(x, group, ctx.plan, ctx.lens, left_padding, ctx.C)
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad_x = _halo_backward(grad_output, ctx.group, ctx.plan, ctx.halo_len, ctx.left_padding)
-        return grad_x, None, None, None
+        grad_x = _halo_backward(grad_output, ctx.group, ctx.plan, ctx.lens, ctx.left_padding, ctx.C)
+        return grad_x, None, None, None, None
 
 
-def gather_halo(x, group, halo_size, left_padding=0, *, validate=None):
+def gather_halo(x, group, halo_size, left_padding=0, *, layout="contiguous", validate=None):
     """Prepend only the preceding causal window using point-to-point transport.
 
-    forward: p2p receives from ranks r-1, r-2, ... (ceil(halo_size/L) at most, each sending only the
-    tail needed); backward: the same pieces' gradients sent back to their owners and added.
+    forward: p2p receives from the ranks that hold the window (ceil(halo_size/C) chunks at most,
+    each sending only the end needed); backward: the same pieces' gradients sent back to their
+    owners and added.
 
     Args:
-        x: [batch, local_sequence, ...], rank r holding global tokens [r*L, (r+1)*L).
+        x: [batch, local_sequence, ...], rank r's chunks of the global sequence (`layout`).
         group: the CP process group (or a 1-D DeviceMesh), or None for a single rank (no CP).
         halo_size: most preceding tokens to fetch, normally window - 1 (attention) or kernel - 1 (conv).
-        left_padding: zero positions made locally before the halo (never sent), e.g. to align a
+        left_padding: zero positions made locally before each window (never sent), e.g. to align a
             key tile with global key coordinates. It may differ between ranks.
+        layout: "contiguous" (rank r holds global tokens [r*L, (r+1)*L)) or "head_tail" (chunks r
+            and 2n-1-r of C = L/2 tokens; torch_impl.layout).
         validate: check first that all CP ranks called with matching inputs (see
             torch_impl.validation); None follows the CP_TRANSPORT_VALIDATE environment variable.
 
     Returns:
-        [batch, left_padding + h + local_sequence, ...] with h = min(r * local_sequence, halo_size):
-        left_padding zeros, the global tokens [r*L - h, r*L), then x; dtype of x. Without CP it is x
-        itself when left_padding == 0. With batch > 1 it is a strided view of a sequence-major buffer.
+        Per local chunk (global chunk c, C tokens), one after the other: left_padding zeros, the
+        h = min(c*C, halo_size) global tokens before the chunk, then the chunk; dtype of x.
+        Contiguous: [batch, left_padding + h + L, ...] with h = min(r*L, halo_size), then x. Without
+        CP it is x itself when left_padding == 0. With batch > 1 it is a strided view of a
+        sequence-major buffer.
 
-    Backward: the gradient of the local part plus, from every later rank whose halo held some of this
-    rank's tokens, the gradient of those tokens. The zeros' gradient is dropped.
+    Backward: the gradient of the local chunks plus, from every window that held some of this rank's
+    tokens, the gradient of those tokens. The zeros' gradient is dropped.
     """
     group = _group.resolve_group(group)
-    validation.check("gather_halo", group, validate, x, halo_size, left_padding)
-    if _group.world_size(group) == 1 and left_padding == 0:
+    validation.check("gather_halo", group, validate, x, halo_size, left_padding, layout)
+    if _group.world_size(group) == 1 and left_padding == 0 and layout == "contiguous":
         return x
-    if torch.compiler.is_compiling():
-        return halo_all_to_all(x, group, halo_size, left_padding)
-    return _GatherHalo.apply(x, group, halo_size, left_padding)
+    if torch.compiler.is_compiling() and _group.world_size(group) > 1:
+        return halo_all_to_all(x, group, halo_size, left_padding, layout)
+    return _GatherHalo.apply(x, group, halo_size, left_padding, layout)

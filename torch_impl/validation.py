@@ -4,11 +4,12 @@ Local checks run on every call and raise `ValueError` before any communication.
 
 Cross-rank validation (`validate=True`, or the environment variable CP_TRANSPORT_VALIDATE=1 for
 every call that leaves `validate` as None) first exchanges each rank's signature in one all-gather
-of a few int64s: the function called, and x's ndim, shape, dtype and device type, halo_size and
-left_padding, and whether the rank's own checks passed. Ranks that disagree on anything but
-left_padding (a local padding that may differ per rank) raise `ValueError` on every rank, naming
-them and their values, where the transport would otherwise hang or return garbage; a rank whose own
-arguments are wrong raises its own error after the exchange, and its peers raise one naming it.
+of a few int64s: the function called, and x's ndim, shape, dtype and device type, halo_size,
+left_padding and the layout, and whether the rank's own checks passed. Ranks that disagree on
+anything but left_padding (a local padding that may differ per rank) raise `ValueError` on every
+rank, naming them and their values, where the transport would otherwise hang or return garbage; a
+rank whose own arguments are wrong raises its own error after the exchange, and its peers raise one
+naming it.
 Turn it on while developing or debugging a CP setup; it costs one tiny collective per call. It is
 skipped inside torch.compile (it reads the exchanged values on the host).
 """
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from torch_impl import _group
+from torch_impl import layout as layouts
 
 ENV_VAR = "CP_TRANSPORT_VALIDATE"
 _FUNCTIONS = ("gather_sequence", "gather_halo", "gather_metadata")
@@ -41,8 +43,9 @@ def check_count(name, value):
         raise ValueError(f"`{name}` must be a non-negative int, got {value!r}")
 
 
-def check_local(function, x, halo_size=None, left_padding=None):
+def check_local(function, x, halo_size=None, left_padding=None, layout="contiguous"):
     check_shard(x)
+    layouts.check(layout, x.shape[1])
     if function == "gather_halo":
         check_count("halo_size", halo_size)
         check_count("left_padding", left_padding)
@@ -59,17 +62,19 @@ def enabled(validate):
     return bool(validate)
 
 
-def check(function, group, validate, x, halo_size=None, left_padding=None):
+def check(function, group, validate, x, halo_size=None, left_padding=None, layout="contiguous"):
     """The local checks, preceded, when validation is on and there is CP, by the cross-rank one."""
     if not enabled(validate) or _group.world_size(group) == 1 or torch.compiler.is_compiling():
-        check_local(function, x, halo_size, left_padding)
+        check_local(function, x, halo_size, left_padding, layout)
         return
     try:
-        check_local(function, x, halo_size, left_padding)
+        check_local(function, x, halo_size, left_padding, layout)
         error = None
     except ValueError as e:
         error = e
-    rows = _exchange(_signature(function, x, halo_size, left_padding, error is None), x, group)
+    signature = _signature(function, x, halo_size, left_padding, error is None)
+    signature.append(layouts.LAYOUTS.index(layout) if layout in layouts.LAYOUTS else -1)
+    rows = _exchange(signature, x, group)
     if error is not None:
         raise error
     _raise_on_disagreement(function, rows)
@@ -149,6 +154,8 @@ def _describe(row):
     text = f"{_FUNCTIONS[row[0]]} of shape {shape} {dtypes.get(dtype, '?')} on {devices.get(device, '?')}"
     if row[0] == _FUNCTIONS.index("gather_halo"):
         text += f", halo_size={halo_size}, left_padding={left_padding}"
+    if len(row) > 7 + _MAX_DIMS and row[-1] != 0:  # the layout, where the call sent one
+        text += f", layout={layouts.LAYOUTS[row[-1]] if row[-1] > 0 else '?'}"
     return text
 
 
