@@ -230,8 +230,7 @@ def test_packed_documents_are_isolated():
     "name,n,backend",
     [
         *[(name, n, "aot_eager") for name in ("gemma3", "lfm2") for n in (2, 4)],
-        ("gemma3", 2, "inductor"),  # inductor once per model and per size: its compiles are slow
-        ("lfm2", 4, "inductor"),
+        ("lfm2", 2, "inductor"),  # inductor once (slow compiles); Gemma 3's: with checkpointing, above
     ],
 )
 def test_compiled_decoder_layers_match_eager(pool, name, n, backend):
