@@ -275,3 +275,20 @@ def test_public_names():
     assert issubclass(_GatherHalo, torch.autograd.Function) and issubclass(
         _GatherSequence, torch.autograd.Function
     )
+
+
+def test_head_tail_halos_move_only_the_windows(pool):
+    """head_tail, n = 4, C = 3: every rank receives, forward and backward, exactly the tokens of its
+    chunks' windows that other ranks hold and the gradients of its tokens that other ranks' windows
+    held (brute force over global tokens; rank 3's own head, in its tail's window, moves nothing)."""
+    n, L, D, sizes = 4, 6, 8, [0, 1, 3, 4, 7, 12, 21, 30]
+    (results,) = pool.run(("first", n), torch_cases.layout_halo_bytes, sizes, L, D, "head_tail")
+    owner = {t: r for r in range(n) for t in expected.local_tokens(n, L, r, "head_tail")}
+    for h, per_rank in zip(sizes, zip(*results, strict=True), strict=True):
+        segments = [expected.halo_segments(n, L, r, h, "head_tail") for r in range(n)]
+        windows = [[t for size, tokens in seg for t in list(tokens)[:size]] for seg in segments]
+        for r, row in enumerate(per_rank):
+            received = sum(owner[t] != r for t in windows[r])  # forward: its windows
+            returned = sum(owner[t] == r for q in range(n) if q != r for t in windows[q])  # backward
+            assert row["p2p"] == row["all_to_all"] == (received + returned) * D * 4, (r, h, row)
+    assert any(owner[t] == 3 for t in windows[3])  # the local copy was exercised

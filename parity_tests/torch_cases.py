@@ -141,3 +141,21 @@ def halo_bytes(group, halo_sizes, L, D):
         dist.barrier(group)
         out.append(row)
     return out
+
+
+def layout_halo_bytes(group, halo_sizes, L, D, layout):
+    """Per halo size: bytes this rank received in one forward+backward of gather_halo under
+    `layout`, counted at the c10d calls, for the eager p2p exchange and the all_to_all one."""
+    from torch_impl.halo import halo_all_to_all
+    from torch_impl.traffic import PayloadCounter
+
+    x = torch.randn(1, L, D, requires_grad=True)
+    out = []
+    for h in halo_sizes:
+        row = {}
+        for name, fn in (("p2p", torch_impl.gather_halo), ("all_to_all", halo_all_to_all)):
+            with PayloadCounter() as counted:
+                fn(x, group, h, layout=layout).sum().backward()
+            row[name] = counted.received
+        out.append(row)
+    return out
