@@ -48,7 +48,7 @@ def indexed_attention(module, query, key, value, context, indices=None, scaling=
     key = gather_sequence(key.transpose(1, 2), context.group).transpose(1, 2)  # [B, H, S, Dk]
     value = gather_sequence(value.transpose(1, 2), context.group).transpose(1, 2)  # [B, H, S, Dv]
     (B, L), S = indices.shape[:2], key.shape[2]
-    queries = context.start + torch.arange(L, device=query.device)[None, :, None]  # [1, L, 1]
+    queries = context.rows.to(query.device)[None, :, None]  # [1, L, 1]
     seen = context.visible(queries, indices.long())  # [B, L, k]
     chosen = torch.where(seen, indices.long(), S)  # a pick it may not see: a spare column, cut below
     mask = torch.zeros(B, L, S + 1, dtype=torch.bool, device=key.device).scatter_(-1, chosen, True)

@@ -176,13 +176,13 @@ class Corpus:
 # --- parallelizing (torchtitan's order: CP, activation checkpointing, compile, FSDP) -------------
 
 
-def apply_cp(model, mesh, transport):
+def apply_cp(model, mesh, transport, layout):
     if mesh["cp"].size() == 1:
         log("No CP (--cp 1): every rank holds whole sequences; the model's own attention")
         return
-    hf.parallelize(model, mesh["cp"])
+    hf.parallelize(model, mesh["cp"], layout=layout)
     model.set_attn_implementation(IMPLEMENTATIONS[transport])
-    log(f"Applied CP over {mesh['cp'].size()} ranks ({transport})")
+    log(f"Applied CP over {mesh['cp'].size()} ranks ({transport}, layout {layout})")
 
 
 def apply_ac(model):
@@ -204,12 +204,12 @@ def apply_fsdp(model, mesh):
 # --- one step ----------------------------------------------------------------------------------
 
 
-def local_batch(corpus, step, mesh, batch_size, device):
+def local_batch(corpus, step, mesh, batch_size, device, layout="contiguous"):
     """This rank's model kwargs for the step, the loss normalized by the count over all DP batches."""
     dp = mesh["dp"]
     first = (step * dp.size() + dp.get_local_rank()) * batch_size
     batch = {key: value.to(device) for key, value in corpus.batch(first, batch_size).items()}
-    local = hf.shard_batch(batch, mesh["cp"])
+    local = hf.shard_batch(batch, mesh["cp"], layout=layout)
     count = local["num_items_in_batch"].clone()
     dist.all_reduce(count, group=dp.get_group())
     local["num_items_in_batch"] = count
@@ -290,11 +290,12 @@ def train_cp(args, mesh, corpus, device):
     elsewhere)."""
     dtype = getattr(torch, args.dtype)
     model = build_model(args.model, args.seq_len, args.window, dtype, args.seed).to(device)
-    apply_cp(model, mesh, args.transport)
+    apply_cp(model, mesh, args.transport, args.layout)
     transport = {}  # without CP nothing moves
-    if mesh["cp"].size() > 1:
+    if mesh["cp"].size() > 1:  # the all-gather baseline knows the contiguous layout only
+        transports = IMPLEMENTATIONS if args.layout == "contiguous" else ("torch_impl",)
         transport = measure_transport(
-            model, local_batch(corpus, 0, mesh, args.batch, device), IMPLEMENTATIONS
+            model, local_batch(corpus, 0, mesh, args.batch, device, args.layout), transports
         )
     if args.ac:
         apply_ac(model)
@@ -313,7 +314,7 @@ def train_cp(args, mesh, corpus, device):
     reset_peak()  # the peak below is the training steps'
     for step in range(start, args.steps):
         began = time.perf_counter()
-        out = model(**local_batch(corpus, step, mesh, args.batch, device))
+        out = model(**local_batch(corpus, step, mesh, args.batch, device, args.layout))
         out.loss.backward()
         clip_and_step(model, optimizer, args.clip)
         loss = out.loss.detach().double()
@@ -369,6 +370,12 @@ def print_transport(report, layer_types, n):
     print(
         f"\nBytes each rank receives per step (forward+backward), per layer, the largest over the {n} ranks:"
     )
+    if "allgather" not in report:  # head_tail: the all-gather baseline is contiguous only
+        print(f"{'layer':>5}  {'kind':<18}{'torch_impl':>14}")
+        for i, kind in enumerate(layer_types):
+            print(f"{i:>5}  {kind:<18}{max(r[i] for r in report['torch_impl']):>14,}")
+        print(f"{'step':>5}  {'all layers':<18}{max(sum(r) for r in report['torch_impl']):>14,}")
+        return
     print(f"{'layer':>5}  {'kind':<18}{'torch_impl':>14}{'all-gather K/V':>16}{'ratio':>8}")
     ours, base = (report[t] for t in ("torch_impl", "allgather"))
     for i, kind in enumerate(layer_types):
@@ -431,6 +438,12 @@ def parse(argv):
     p.add_argument("--ac", action="store_true", help="activation checkpointing")
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (fullgraph)")
     p.add_argument("--transport", choices=tuple(IMPLEMENTATIONS), default="torch_impl")
+    p.add_argument(
+        "--layout",
+        choices=("contiguous", "head_tail"),
+        default="contiguous",
+        help="which tokens a CP rank holds (head_tail: chunks r and 2n-1-r, balanced causal work)",
+    )
     p.add_argument("--reference", action="store_true", help="then train on one process and compare")
     p.add_argument("--tolerance", type=float, default=None, help="override the dtype's tolerance")
     p.add_argument("--save-dir", default=None)
@@ -457,6 +470,10 @@ def main(argv=None):
     args.cp = args.cp or world // args.dp
     if args.dp * args.cp != world:
         raise ValueError(f"`--dp` {args.dp} x `--cp` {args.cp} must equal the world size {world}")
+    if args.layout != "contiguous" and args.transport != "torch_impl":
+        raise ValueError(
+            f"`--layout {args.layout}` needs `--transport torch_impl` (the baseline is contiguous)"
+        )
     mesh = init_device_mesh(device.type, (args.dp, args.cp), mesh_dim_names=("dp", "cp"))
     corpus = Corpus(args.seq_len)
     log(

@@ -14,13 +14,14 @@ from torch_impl.hf.indexed import BlockedIndexer
 from torch_impl.traffic import PayloadCounter, tag_layers
 
 
-def cp_step(group, name, dtype, state, batch, mode="eval"):
+def cp_step(group, name, dtype, state, batch, mode="eval", layout="contiguous"):
     """One forward and backward of the CP model on this rank's shard.
 
     mode: "eval"; "train" (model.train()); "train_ac" (train + transformers' activation
     checkpointing); "train_ac_saved" (train, checkpointing with hf.checkpoint_kwargs());
     "train_ac_compiled" (that, and every decoder layer compiled by inductor with fullgraph=True).
-    Returns logits, loss, every parameter's grad (this rank's partial sum), which math each
+    layout: the sequence layout given to parallelize and shard_batch. Returns logits, loss, every
+    parameter's grad (this rank's partial sum), which math each
     attention layer took (`paths`: None for torch_impl.attention, else why it kept the dense mask)
     and how many calls reached torch_impl.attention, and in eval mode the bytes received per
     (direction, layer) and dtype, counted at the c10d calls.
@@ -30,13 +31,13 @@ def cp_step(group, name, dtype, state, batch, mode="eval"):
     model.train(mode != "eval")
     if mode == "train_ac":
         model.activation_checkpointing_enable()
-    hf.parallelize(model, group)
+    hf.parallelize(model, group, layout=layout)
     if mode in ("train_ac_saved", "train_ac_compiled"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=hf.checkpoint_kwargs())
     if mode == "train_ac_compiled":
         for layer in model.model.layers:
             layer.compile(fullgraph=True)
-    local = hf.shard_batch(batch, group)
+    local = hf.shard_batch(batch, group, layout=layout)
     counter = PayloadCounter()  # eval only: torch.compile refuses to run under a dispatch mode
     if mode == "eval":
         tag_layers(counter, model.model.layers)
@@ -104,8 +105,11 @@ def unsupported_call(group, name, state, batch, call):
     """A model that parallelize accepted, called in a way CP cannot make exact: the ValueError."""
     model = hf_models.build(name)
     model.load_state_dict(state)
-    hf.parallelize(model, group)
-    local = hf.shard_batch(batch, group)
+    hf.parallelize(model, group, layout="head_tail" if call == "layout_only_in_parallelize" else "contiguous")
+    local = hf.shard_batch(
+        batch, group, layout="head_tail" if call == "layout_only_in_shard_batch" else "contiguous"
+    )
+    kwargs = local
     if call == "kv_cache":  # a decode step after a prefill: the cache holds this rank's keys only
         prefill = model(input_ids=local["input_ids"], use_cache=True)
         position = (dist.get_rank(group) + 1) * local["input_ids"].shape[1]

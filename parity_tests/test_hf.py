@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from benchmarks import dsa_bytes
-from parity_tests import hf_cases, hf_models
+from parity_tests import expected, hf_cases, hf_models
 from torch_impl import hf
 
 TOLERANCE = {"float64": (1e-9, 1e-6), "float32": (1e-5, 1e-5)}  # (logits abs, loss/grads rel)
@@ -41,7 +41,7 @@ def reference(name, dtype, **batch_options):
     return model.state_dict(), batch, out.logits.detach(), out.loss.detach(), grads
 
 
-def assert_matches_reference(results, ref, dtype, rel=None):
+def assert_matches_reference(results, ref, dtype, rel=None, layout="contiguous"):
     _, batch, logits, loss, grads = ref
     logits_tol, rel = TOLERANCE[dtype] if rel is None else (rel, rel)
     n = len(results)
@@ -49,7 +49,7 @@ def assert_matches_reference(results, ref, dtype, rel=None):
     valid = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
     for r, res in enumerate(results):
         assert res["logits"].shape == (2, L, hf_models.VOCAB) and res["logits"].dtype == logits.dtype
-        shard = slice(r * L, (r + 1) * L)
+        shard = expected.local_tokens(n, L, r, layout)  # the global rows of rank r's
         diff = (res["logits"] - logits[:, shard]).abs()[valid[:, shard]]
         assert diff.max() <= logits_tol, (r, diff.max())
     total = sum(res["loss"] for res in results)
@@ -63,14 +63,14 @@ def assert_matches_reference(results, ref, dtype, rel=None):
         assert err <= rel, (key, err.item())
 
 
-def assert_path(results, name):
-    """Which math ran: torch_impl.attention in every attention layer (one call each, forward), or the
-    dense-mask fallback for what it does not compute (hf_models.DENSE says why)."""
+def assert_path(results, name, chunks=1):
+    """Which math ran: torch_impl.attention in every attention layer (one call per local chunk,
+    forward), or the dense-mask fallback for what it does not compute (hf_models.DENSE says why)."""
     config = hf_models.build(name).config
     kinds = getattr(config, "layer_types", None) or ["attention"] * config.num_hidden_layers
     attentions = sum(kind != "conv" for kind in kinds)
     fused = (
-        0 if name in hf_models.DENSE or name in hf_models.INDEXED else attentions
+        0 if name in hf_models.DENSE or name in hf_models.INDEXED else attentions * chunks
     )  # indexed: sparse_mla_attention (tested in test_attention)
     for res in results:
         assert res["paths"] == [hf_models.DENSE.get(name)] * attentions, res["paths"]
@@ -167,6 +167,49 @@ def test_the_indexer_scores_one_query_block_at_a_time(pool):
     state, batch, *_ = reference("deepseek_v32", "float64")
     (results,) = pool.run(("first", 2), hf_cases.indexer_scores, "deepseek_v32", state, batch, 2)
     assert results == [2 * 2 * 16 * 12, 2 * 2 * 16 * 24]
+
+
+# --- the head_tail layout --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("name", hf_models.SUPPORTED + hf_models.INDEXED)
+def test_head_tail_layout_equals_one_process(pool, name, n):
+    """layout="head_tail" in parallelize and shard_batch: rank r holds chunks r and 2n-1-r (C = 6
+    or 3 tokens). A left-padded row (every query after padding; Gemma 2: right-padded); Gemma 3's
+    window (10) and Mistral's (14) span two to four chunks. Each rank's logits equal one process's
+    at its global rows, the losses add up, the summed gradients are one process's."""
+    # Gemma 2's eager attention gives its padding queries NaN (every key masked) in one process,
+    # which the next layer's values carry to every row: its padding goes on the right
+    ref = reference(name, "float64", left=name != "gemma2")
+    rel = 1e-6 if name == "gemma2" else None  # as in the contiguous tests above
+    for group_results in pool.run(
+        ("first", n), hf_cases.cp_step, name, "float64", ref[0], ref[1], "eval", "head_tail"
+    ):
+        assert_matches_reference(group_results, ref, "float64", rel=rel, layout="head_tail")
+        assert_path(group_results, name, chunks=2)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "mistral", "lfm2", "deepseek_v32"])
+def test_head_tail_packed_sequences_equal_one_process(pool, name):
+    """Packed documents under head_tail, 4 ranks: the positions are gathered in global order and
+    numbered into documents as one process numbers them."""
+    ref = packed_reference(name)
+    for group_results in pool.run(
+        ("first", 4), hf_cases.cp_step, name, "float64", ref[0], ref[1], "train_ac_saved", "head_tail"
+    ):
+        assert_matches_reference(group_results, ref, "float64", layout="head_tail")
+
+
+def test_layout_arguments_are_checked_before_any_communication():
+    """An unknown layout, or a sequence that head_tail cannot cut into 2n chunks: ValueError."""
+    model = hf_models.build("llama")
+    with pytest.raises(ValueError, match="`layout` must be one of"):
+        hf.parallelize(model, None, layout="zigzag")
+    with pytest.raises(ValueError, match="`layout` must be one of"):
+        hf.shard_batch(hf_models.make_batch(), None, layout="zigzag")
+    with pytest.raises(ValueError, match=r"S=25 must be divisible by 2 \(layout='head_tail', CP size n=1\)"):
+        hf.shard_batch(hf_models.make_batch(seq_len=25), None, layout="head_tail")
 
 
 # --- packed sequences ------------------------------------------------------------------------
@@ -333,14 +376,22 @@ def test_unsupported_model_raises_at_parallelize_on_every_rank(pool, name):
         ("kv_cache", ["KV cache"] * 2),
         ("cache_on_rank_1", ["CP ranks [1] rejected their inputs", "KV cache holding tokens"]),
         ("4d_mask", ["4-D masks"] * 2),
+        (
+            "layout_only_in_shard_batch",
+            ["sharded with layout='head_tail' but the model was parallelized"] * 2,
+        ),
+        (
+            "layout_only_in_parallelize",
+            ["sharded with layout='contiguous' but the model was parallelized"] * 2,
+        ),
     ],
 )
 def test_calls_that_cannot_be_exact_raise_on_every_rank(pool, call, says):
     """With validation on, a rank whose own inputs pass raises too, naming the rank that failed."""
     state, batch, *_ = reference("llama", "float64")
     for group_results in pool.run(("block", 2), hf_cases.unsupported_call, "llama", state, batch, call):
-        for message, expected in zip(group_results, says, strict=True):
-            assert message is not None and expected in message, message
+        for message, want in zip(group_results, says, strict=True):
+            assert message is not None and want in message, message
 
 
 @pytest.mark.parametrize(

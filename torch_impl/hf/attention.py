@@ -25,6 +25,7 @@ from torch_impl.attention import causal_attention
 from torch_impl.halo import gather_halo
 from torch_impl.hf._common import DOCUMENTS, IMPLEMENTATION
 from torch_impl.hf.indexed import IndexedContext, indexed_attention
+from torch_impl.layout import chunk_len, chunks
 from torch_impl.metadata import gather_metadata
 from torch_impl.sequence import gather_sequence
 
@@ -44,6 +45,7 @@ class AttentionPlan:
     attend: Callable  # (module, q, k, v, mask, **kwargs) -> (out [B, L, H, D], weights)
     make_mask: Callable  # transformers' mask function for `attend` (sdpa_mask or eager_mask)
     dense: str | None  # why this layer keeps `attend` on a dense [L, T] mask; None: torch_impl.attention
+    layout: str = "contiguous"  # which global rows the rank holds (torch_impl.layout)
 
 
 # --- the registered attention and mask functions -------------------------------------------------
@@ -98,15 +100,15 @@ def fetch_keys(group, key, value, padding, window):
     return key, value, padding, first_key
 
 
-def attend(module, query, key, value, padding, documents, first_key, window, **kwargs):
-    """The math for queries r*L .. (r+1)*L - 1 over keys from first_key: torch_impl.attention, or
-    the model's own mask and attention functions for a layer marked dense.
+def attend(module, query, key, value, padding, documents, first_key, window, start=None, **kwargs):
+    """The math for queries start .. start + L - 1 (default: r*L ..) over keys from first_key:
+    torch_impl.attention, or the model's own mask and attention functions for a layer marked dense.
 
     query: [B, H, L, D]; key/value: [B, Hkv, T, D] from global row first_key; padding (bool) and
     documents (int), when given, indexed by global key position. Returns ([B, L, H, D], weights).
     """
     plan, (B, _, L, _) = module.context_parallel, query.shape
-    start = _group.rank(plan.group) * L
+    start = _group.rank(plan.group) * L if start is None else start
     if plan.dense is None:
         check_fused_kwargs(module, kwargs)
         rows = slice(first_key, start + L)  # the keys up to this rank's own: [first_key, (r+1)*L)
@@ -179,8 +181,45 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     check_call(module, attention_mask)
     padding, window = attention_mask
     documents = kwargs.pop(DOCUMENTS, None)  # [B, S] for packed sequences, from ModelInputs
-    key, value, padding, first_key = fetch_keys(module.context_parallel.group, key, value, padding, window)
+    plan = module.context_parallel
+    if plan.layout != "contiguous":
+        return attend_chunks(module, query, key, value, padding, documents, window, **kwargs)
+    key, value, padding, first_key = fetch_keys(plan.group, key, value, padding, window)
     return attend(module, query, key, value, padding, documents, first_key, window, **kwargs)
+
+
+def attend_chunks(module, query, key, value, padding, documents, window, **kwargs):
+    """A layout of several chunks a rank (head_tail): the keys arrive in that layout (full:
+    gather_sequence, the global order; a window W: gather_halo(W - 1), one segment per chunk, its
+    window then the chunk), the padding mask whole ([B, S], global order), and each chunk's queries
+    attend at their global rows over their own keys. Returns ([B, L, H, D], None)."""
+    plan, L = module.context_parallel, query.shape[2]
+    n, r, layout = _group.world_size(plan.group), _group.rank(plan.group), plan.layout
+    C = chunk_len(layout, L)
+    padding = None if padding is None else gather_metadata(padding, plan.group, layout=layout)  # [B, S]
+    if window is None:
+        key = gather_sequence(key.transpose(1, 2), plan.group, layout=layout).transpose(
+            1, 2
+        )  # [B, Hkv, S, D]
+        value = gather_sequence(value.transpose(1, 2), plan.group, layout=layout).transpose(1, 2)
+    else:
+        key = gather_halo(key.transpose(1, 2), plan.group, window - 1, layout=layout).transpose(1, 2)
+        value = gather_halo(value.transpose(1, 2), plan.group, window - 1, layout=layout).transpose(1, 2)
+    outs, row = [], 0
+    for k, c in enumerate(chunks(layout, n, r)):
+        start, first_key, keys, values = c * C, 0, key, value  # full: every key, cut at the chunk's end
+        if window is not None:  # this chunk's segment: its h = min(cC, W - 1) keys, then its own
+            first_key = start - min(start, window - 1)
+            keys, values = (
+                key[:, :, row : row + start - first_key + C],
+                value[:, :, row : row + start - first_key + C],
+            )
+            row += start - first_key + C
+        q = query[:, :, k * C : (k + 1) * C]  # [B, H, C, D]
+        outs.append(
+            attend(module, q, keys, values, padding, documents, first_key, window, start, **kwargs)[0]
+        )
+    return torch.cat(outs, dim=1), None  # [B, L, H, D]
 
 
 AttentionInterface.register(IMPLEMENTATION, attention)

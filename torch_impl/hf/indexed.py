@@ -10,6 +10,8 @@ import torch
 from torch_impl import _group
 from torch_impl.attention import sparse_mla_attention
 from torch_impl.halo import gather_halo
+from torch_impl.layout import global_rows
+from torch_impl.sequence import gather_sequence
 
 
 class IndexedContext:
@@ -22,8 +24,11 @@ class IndexedContext:
     activations, so checkpointed layers recompute exactly what they computed.
     """
 
-    def __init__(self, group, local_len, padding, documents):
-        self.group, self.local_len, self.start = group, local_len, _group.rank(group) * local_len
+    def __init__(self, group, local_len, padding, documents, layout="contiguous"):
+        n, r = _group.world_size(group), _group.rank(group)
+        self.group, self.local_len, self.layout = group, local_len, layout
+        self.rows = global_rows(layout, n, r, local_len)  # int64 [L]: the queries' global rows
+        self.end = int(self.rows.max()) + 1  # keys 0 .. end - 1: the causal prefix of them all
         self.padding, self.documents = padding, documents  # bool / int [B, S] by global position, or None
 
     def __getitem__(self, index):
@@ -42,9 +47,13 @@ class IndexedContext:
         return ok
 
     def prefix(self, x):
-        """x: [B, L, ...] on every rank -> [B, (r+1)*L, ...]: the causal prefix, global rows 0 ..
-        (r+1)*L - 1, received point to point (gather_halo with a halo of every earlier row)."""
-        return gather_halo(x, self.group, (_group.world_size(self.group) - 1) * self.local_len)
+        """x: [B, L, ...] on every rank -> [B, end, ...]: the causal prefix of this rank's queries,
+        global rows 0 .. end - 1; contiguous: (r+1)*L rows received point to point (gather_halo
+        with a halo of every earlier row); head_tail: the sequence gathered (its tail's prefix is
+        most of it), cut at end."""
+        if self.layout == "contiguous":
+            return gather_halo(x, self.group, (_group.world_size(self.group) - 1) * self.local_len)
+        return gather_sequence(x, self.group, layout=self.layout)[:, : self.end]  # a tail needs it all
 
 
 class _Keys:
@@ -84,10 +93,10 @@ class BlockedIndexer:
         ones = hidden_states.new_ones((B, L, 1), dtype=torch.bool)  # a mask over that single key
         super().forward(hidden_states, q_resid, position_embeddings, ones, position_ids, past_key_values=own)
         keys = _Keys(context.prefix(own.computed))  # [B, (r+1)*L, Di]
-        T = context.start + L
+        T, query_rows = context.end, context.rows.to(cos.device)
         selected = []
         for q0 in range(0, L, self.query_block):
-            queries = context.start + torch.arange(q0, min(q0 + self.query_block, L), device=cos.device)
+            queries = query_rows[q0 : q0 + self.query_block]
             mask = context.visible(queries[None, :, None], torch.arange(T, device=cos.device)[None, None])
             mask = mask.expand(B, -1, -1)  # [B, nq, T]
             selected.append(
@@ -138,7 +147,7 @@ def indexed_attention(module, query, key, value, context, indices=None, scaling=
     Returns ([B, L, H, dv], None).
     """
     prefix = context.prefix(torch.cat([key, value], dim=-1)[:, 0])  # [B, (r+1)*L, r + dr]
-    queries = context.start + torch.arange(query.shape[2], device=query.device)[None, :, None]  # [1, L, 1]
+    queries = context.rows.to(query.device)[None, :, None]  # [1, L, 1]: global rows
     valid = context.visible(queries, indices.long())  # [B, L, k]
     weight, nope_dim = module.kv_b_proj.weight, module.qk_nope_head_dim  # [H * (dn + dv), r]
     out = sparse_mla_attention(query, prefix, weight, indices, valid, nope_dim=nope_dim, scale=scaling)

@@ -11,16 +11,18 @@ from transformers.masking_utils import find_packed_sequence_indices
 from torch_impl import _group, validation
 from torch_impl.hf._common import DOCUMENTS, IMPLEMENTATION, INDEXED, Arguments
 from torch_impl.hf.indexed import IndexedContext
+from torch_impl.layout import check as check_layout
+from torch_impl.layout import global_rows
 from torch_impl.metadata import gather_metadata
 
 IGNORE_INDEX = -100
 BATCH_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
+LAYOUT = "cp_layout"  # the kwarg by which shard_batch names a layout other than contiguous
 
 
-def global_positions(group, local_len, device):
-    """[1, L]: the global positions r*L .. (r+1)*L - 1 of this rank's tokens."""
-    first = _group.rank(group) * local_len
-    return torch.arange(first, first + local_len, device=device)[None]
+def global_positions(group, local_len, device, layout="contiguous"):
+    """[1, L]: the global positions of this rank's tokens (contiguous: r*L .. (r+1)*L - 1)."""
+    return global_rows(layout, _group.world_size(group), _group.rank(group), local_len, device)[None]
 
 
 class ModelInputs:
@@ -40,17 +42,25 @@ class ModelInputs:
       returning inconsistent shards. Skipped inside torch.compile (it reads the result on the host).
     """
 
-    def __init__(self, module, group, indexed, validate):
+    def __init__(self, module, group, indexed, validate, layout="contiguous"):
         self.group, self.arguments, self.indexed = group, Arguments(module.forward), indexed
-        self.validate = validate
+        self.validate, self.layout = validate, layout
 
     def __call__(self, module, args, kwargs):
+        kwargs = dict(kwargs)
+        given = kwargs.pop(LAYOUT, "contiguous")  # shard_batch names a layout other than contiguous
         argument = partial(self.arguments.get, args, kwargs)
         tokens = argument("input_ids")
         tokens = argument("inputs_embeds") if tokens is None else tokens
         (B, L), cache, positions = tokens.shape[:2], argument("past_key_values"), argument("position_ids")
         padding, creates_cache = argument("attention_mask"), _creates_cache(module, argument)
         error = self.check(module, cache, padding)
+        if error is None and given != self.layout:
+            error = (
+                f"`{IMPLEMENTATION}`: the batch was sharded with layout={given!r} but the model was "
+                f"parallelized with layout={self.layout!r}; pass the same layout to hf.shard_batch and "
+                "hf.parallelize"
+            )
         if self.validate and not torch.compiler.is_compiling():  # no rank left waiting
             fields = self.signature(argument, tokens, creates_cache)
             failed, differ = validation.compare_ranks(error is None, fields, tokens, self.group)
@@ -66,12 +76,14 @@ class ModelInputs:
             raise ValueError(error)
         documents = None
         if positions is not None and padding is None and cache is None and not creates_cache:
-            everywhere = gather_metadata(positions.expand(B, -1).contiguous(), self.group)  # [B, S]
+            everywhere = gather_metadata(positions.expand(B, -1).contiguous(), self.group, layout=self.layout)
             documents = find_packed_sequence_indices(everywhere)  # [B, S], or None: no position restarts
-        positions = global_positions(self.group, L, tokens.device) if positions is None else positions
+        if positions is None:
+            positions = global_positions(self.group, L, tokens.device, self.layout)
         if self.indexed:
-            padding = None if padding is None else gather_metadata(padding.bool(), self.group)  # [B, S]
-            context = IndexedContext(self.group, L, padding, documents)
+            if padding is not None:
+                padding = gather_metadata(padding.bool(), self.group, layout=self.layout)  # [B, S]
+            context = IndexedContext(self.group, L, padding, documents, self.layout)
             return self.arguments.replace(
                 args,
                 kwargs,
@@ -124,7 +136,7 @@ def _creates_cache(module, argument):
     return bool(use_cache) and not (getattr(module, "gradient_checkpointing", False) and module.training)
 
 
-def shard_batch(batch, group):
+def shard_batch(batch, group, *, layout="contiguous"):
     """This rank's model kwargs from a global batch of [B, S] tensors; the same keys for every n.
 
     batch: `input_ids`, optionally `attention_mask` (1: token, 0: padding), `labels` (-100:
@@ -136,8 +148,13 @@ def shard_batch(batch, group):
     with `apply_fsdp` or `apply_ddp` (gradients summed over CP, averaged over DP); or set
     `num_items_in_batch` to the count over all DP batches and pass them `global_num_items=True`.
     Without CP (n = 1) the same keys, with the whole sequence.
+
+    layout: "contiguous", or "head_tail" (rank r gets chunks r and 2n-1-r of S/2n tokens: S must be
+    divisible by 2n); the model must be parallelized with the same layout. Under head_tail with
+    n > 1 the kwargs also hold `cp_layout`, which the model's pre-hook checks and removes.
     """
     group = _group.resolve_group(group)
+    check_layout(layout)
     unknown = sorted(set(batch) - set(BATCH_KEYS))
     if unknown or "input_ids" not in batch:
         raise ValueError(
@@ -150,14 +167,19 @@ def shard_batch(batch, group):
             raise ValueError(
                 f"`batch[{key!r}]` must be [B, S] = {(B, S)} like input_ids, got {tuple(value.shape)}"
             )
-    if S % n:
-        raise ValueError(f"the sequence length S={S} must be divisible by the CP size n={n}")
+    chunks = n if layout == "contiguous" else 2 * n
+    if S % chunks:
+        raise ValueError(
+            f"the sequence length S={S} must be divisible by {chunks} (layout={layout!r}, CP size n={n})"
+        )
     L = S // n
-    shard = slice(r * L, (r + 1) * L)
-    local = {key: value[:, shard].contiguous() for key, value in batch.items()}  # [B, L] each
+    rows = global_rows(layout, n, r, L, batch["input_ids"].device)  # [L]
+    local = {key: value[:, rows] for key, value in batch.items()}  # [B, L] each
     local["use_cache"] = False
     if "labels" in batch:
         shifted = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)  # [B, S]: target of token t
-        local["shift_labels"] = shifted[:, shard].contiguous()  # [B, L]
+        local["shift_labels"] = shifted[:, rows]  # [B, L]
         local["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum()
+    if layout != "contiguous" and n > 1:
+        local[LAYOUT] = layout
     return local

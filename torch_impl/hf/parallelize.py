@@ -21,6 +21,7 @@ from torch_impl.hf.attention import AttentionPlan
 from torch_impl.hf.indexed import AbsorbedMLA, BlockedIndexer, mix
 from torch_impl.hf.inputs import ModelInputs
 from torch_impl.hf.short_conv import ShortConvHalo
+from torch_impl.layout import check as check_layout
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "conv", INDEXED)
 SHORT_CONVS = ("Lfm2ShortConv", "Lfm2MoeShortConv")  # causal depthwise conv of in_proj's gated output
@@ -120,7 +121,7 @@ def _check_indexed(name, module):
         raise _refuse(name, module, f"is an {INDEXED!r} layer with attention dropout, which is not supported")
 
 
-def _attention_plan(name, module, group):
+def _attention_plan(name, module, group, layout):
     if _layer_type(module) == INDEXED:
         _check_indexed(name, module)
     implementation = module.config._attn_implementation
@@ -138,10 +139,10 @@ def _attention_plan(name, module, group):
             "offsets of a CP rank (flash kernels align causal masks bottom-right)",
         )
     dense = None if _layer_type(module) == INDEXED else _dense_reason(module)
-    return AttentionPlan(group, attend, ALL_MASK_ATTENTION_FUNCTIONS[implementation], dense)
+    return AttentionPlan(group, attend, ALL_MASK_ATTENTION_FUNCTIONS[implementation], dense, layout)
 
 
-def _plan(model, group):
+def _plan(model, group, layout):
     """(attention modules with their plans, short convs): every token-mixing module, or ValueError."""
     if not type(model)._can_set_attn_implementation():
         raise _refuse("", model, "does not route its attention through transformers' AttentionInterface")
@@ -151,7 +152,7 @@ def _plan(model, group):
             continue  # inside a short conv, which is handled whole
         kind = _kind(name, module)
         if kind == "attention":
-            attentions.append((module, _attention_plan(name, module, group)))
+            attentions.append((module, _attention_plan(name, module, group, layout)))
         elif kind == "short_conv":
             convs[name] = module
     _check_configs(model)
@@ -175,31 +176,33 @@ def apply_attention(model, attentions):
     return paths
 
 
-def apply_inputs(model, group, validate):
+def apply_inputs(model, group, validate, layout="contiguous"):
     """The base model's inputs: global positions, documents, indexed_attention's context, the
     refusal of a filled KV cache and (validate) the cross-rank check."""
     base = model.base_model
     indexed = INDEXED in (getattr(base.config, "layer_types", None) or ())
-    base.register_forward_pre_hook(ModelInputs(base, group, indexed, validate), with_kwargs=True)
+    base.register_forward_pre_hook(ModelInputs(base, group, indexed, validate, layout), with_kwargs=True)
 
 
-def apply_short_conv(convs, group):
+def apply_short_conv(convs, group, layout="contiguous"):
     """Every short convolution gets the hooks that fetch its K-1 preceding tokens. Returns which
     path they take."""
     for module in convs:
-        halo = ShortConvHalo(module, group)
+        halo = ShortConvHalo(module, group, layout)
         module.register_forward_pre_hook(halo.before, with_kwargs=True)
         module.register_forward_hook(halo.after, with_kwargs=True)
     return {type(module).__name__: "its own forward over a halo of kernel - 1 tokens" for module in convs}
 
 
-def parallelize(model, group, *, validate=True, verbose=True):
+def parallelize(model, group, *, layout="contiguous", validate=True, verbose=True):
     """Make a transformers causal LM context-parallel over `group`, in place; returns the model.
 
     Every check runs before anything changes and before any communication, identically on every
     rank: a layer that cannot be made exact raises `ValueError` naming it and why. Without CP
     (`group` None or of size 1) the model is returned untouched.
 
+    layout: "contiguous" (rank r holds tokens [r*L, (r+1)*L)) or "head_tail" (chunks r and 2n-1-r:
+        balanced causal work; torch_impl.layout); `shard_batch` must be given the same.
     validate: at every forward, before any other communication, the CP ranks compare their inputs
         (the shard's shape, which arguments were passed) in one all-gather of a few integers, and
         raise `ValueError` on every rank where they differ or some rank's were refused. False
@@ -208,18 +211,19 @@ def parallelize(model, group, *, validate=True, verbose=True):
         logged (`torch_impl.hf`, INFO) and kept as `model.cp_transport_paths` ({layer kind: path}).
     """
     group = _group.resolve_group(group)
+    check_layout(layout)
     if _group.world_size(group) == 1:
         return model
     if model.config._attn_implementation == IMPLEMENTATION:
         raise _refuse("", model, "is already context-parallel")
-    attentions, convs = _plan(model, group)
-    apply_inputs(model, group, validate)
-    paths = apply_attention(model, attentions) | apply_short_conv(convs, group)
+    attentions, convs = _plan(model, group, layout)
+    apply_inputs(model, group, validate, layout)
+    paths = apply_attention(model, attentions) | apply_short_conv(convs, group, layout)
     model.cp_transport_paths = paths
     summary = (
         f"torch_impl.hf.parallelize: {type(model).__name__} over {_group.world_size(group)} CP ranks; "
         + "; ".join(f"{kind}: {path}" for kind, path in paths.items())
-        + f"; inputs checked across ranks: {'yes' if validate else 'no'}"
+        + f"; layout: {layout}; inputs checked across ranks: {'yes' if validate else 'no'}"
     )
     log.info(summary)
     if verbose and dist.get_rank() == 0:

@@ -3,33 +3,41 @@
 import torch
 
 from torch_impl import _group
-from torch_impl.halo import gather_halo
+from torch_impl.halo import gather_halo, window_lens
 from torch_impl.hf._common import Arguments
 
 
 class ShortConvHalo:
     """Forward hooks giving a causal depthwise short convolution (kernel K) its K-1 preceding tokens.
 
-    Before: hidden_states [B, L, D] -> [B, h+L, D] and its 2-D padding mask -> [B, h+L] (all True
-    where the model passed none: whether a mask is passed depends on this rank's tokens, the
-    exchange must not), h = min(r*L, K-1). After: the output's first h positions are dropped.
+    Before: hidden_states [B, L, D] -> gather_halo(K - 1): per local chunk (one, contiguous; two,
+    head_tail) its h = min(cC, K-1) preceding tokens, then the chunk; its 2-D padding mask likewise
+    (all True where the model passed none: whether a mask is passed depends on this rank's tokens,
+    the exchange must not). The convolution is causal over at most K-1 earlier positions, so each
+    chunk's outputs see only their own segment. After: the outputs at the windows are dropped.
     """
 
-    def __init__(self, module, group):
-        self.group, self.halo_size = group, module.conv.kernel_size[0] - 1
-        self.arguments, self.received = Arguments(module.forward), 0
+    def __init__(self, module, group, layout="contiguous"):
+        self.group, self.halo_size, self.layout = group, module.conv.kernel_size[0] - 1, layout
+        self.arguments, self.lens = Arguments(module.forward), []
 
     def before(self, module, args, kwargs):
         x = self.arguments.get(args, kwargs, "hidden_states")  # [B, L, D]
         mask = self.arguments.get(args, kwargs, "attention_mask")  # [B, L] or None
         mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if mask is None else mask.bool()
-        self.received = min(_group.rank(self.group) * x.shape[1], self.halo_size)
+        n, r = _group.world_size(self.group), _group.rank(self.group)
+        self.lens = window_lens(self.layout, n, r, x.shape[1], self.halo_size)
         return self.arguments.replace(
             args,
             kwargs,
-            hidden_states=gather_halo(x, self.group, self.halo_size),  # [B, h+L, D]
-            attention_mask=gather_halo(mask, self.group, self.halo_size),  # [B, h+L]
+            hidden_states=gather_halo(x, self.group, self.halo_size, layout=self.layout),  # [B, T, D]
+            attention_mask=gather_halo(mask, self.group, self.halo_size, layout=self.layout),  # [B, T]
         )
 
     def after(self, module, args, kwargs, output):
-        return output[:, self.received :]  # [B, L, D]
+        C = (output.shape[1] - sum(self.lens)) // len(self.lens)
+        kept, row = [], 0
+        for h in self.lens:
+            kept.append(output[:, row + h : row + h + C])  # [B, C, D]
+            row += h + C
+        return kept[0] if len(kept) == 1 else torch.cat(kept, dim=1)  # [B, L, D]
