@@ -59,6 +59,11 @@ def indexed_attention(module, query, key, value, context, indices=None, scaling=
 
 
 def attention(module, query, key, value, attention_mask, **kwargs):
+    layout = getattr(getattr(module, "context_parallel", None), "layout", "contiguous")
+    if layout != "contiguous":
+        raise ValueError(
+            f"`{IMPLEMENTATION}` is the contiguous layout's baseline; the model has layout {layout!r}"
+        )
     if isinstance(attention_mask, IndexedContext):
         return indexed_attention(module, query, key, value, attention_mask, **kwargs)
     check_call(module, attention_mask)
