@@ -7,7 +7,8 @@
     out = model(**local)                  # out.logits: [B, S/n, vocab]; out.loss: this rank's share
     out.loss.backward()                   # parameter grads summed over the CP group = one process's
 
-Rank r of n holds the global tokens [r*L, (r+1)*L), L = S/n. The adapter is one registered
+Rank r of n holds the global tokens [r*L, (r+1)*L), L = S/n (or, with `layout="head_tail"` given
+to both calls, chunks r and 2n-1-r of S/2n tokens: balanced causal work). The adapter is one registered
 attention implementation (`config._attn_implementation = "cp_transport"`, through transformers'
 `AttentionInterface` and `AttentionMaskInterface`) and forward hooks on short convolutions:
 

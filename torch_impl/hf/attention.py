@@ -3,6 +3,8 @@
 Rank r's keys arrive by `fetch_keys` (full: gather_sequence; a window W: gather_halo(W - 1)) and its
 queries attend over them at their global rows through torch_impl.attention, or, for layers whose
 math it does not compute, through the model's own function on a dense [L, T] mask (`attend`).
+Under the head_tail layout (`attend_chunks`) the keys arrive in that layout and each of the rank's
+two chunks attends over its own.
 """
 
 from collections.abc import Callable
