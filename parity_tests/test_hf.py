@@ -208,7 +208,7 @@ def test_layout_arguments_are_checked_before_any_communication():
         hf.parallelize(model, None, layout="zigzag")
     with pytest.raises(ValueError, match="`layout` must be one of"):
         hf.shard_batch(hf_models.make_batch(), None, layout="zigzag")
-    with pytest.raises(ValueError, match=r"S=25 must be divisible by 2 \(layout='head_tail', CP size n=1\)"):
+    with pytest.raises(ValueError, match=r"S=25 must be divisible by 2n = 2 under layout='head_tail'"):
         hf.shard_batch(hf_models.make_batch(seq_len=25), None, layout="head_tail")
 
 

@@ -167,10 +167,12 @@ def shard_batch(batch, group, *, layout="contiguous"):
             raise ValueError(
                 f"`batch[{key!r}]` must be [B, S] = {(B, S)} like input_ids, got {tuple(value.shape)}"
             )
-    chunks = n if layout == "contiguous" else 2 * n
-    if S % chunks:
+    if S % n:
+        raise ValueError(f"the sequence length S={S} must be divisible by the CP size n={n}")
+    if layout == "head_tail" and S % (2 * n):
         raise ValueError(
-            f"the sequence length S={S} must be divisible by {chunks} (layout={layout!r}, CP size n={n})"
+            f"the sequence length S={S} must be divisible by 2n = {2 * n} under layout='head_tail' "
+            f"(CP size n={n}: 2n chunks)"
         )
     L = S // n
     rows = global_rows(layout, n, r, L, batch["input_ids"].device)  # [L]
