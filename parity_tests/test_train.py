@@ -84,7 +84,10 @@ def test_pure_data_parallelism_and_one_process_train(tmp_path):
 
 
 def test_compiled_layers_with_activation_checkpointing_train():
-    code, out = run(["--cp", "2", "--compile", "--ac", "--steps", "2", *SMALL, "--reference"], nproc=2)
+    """Inductor + checkpointing in the job, under head_tail (the contiguous layout's compiled layers:
+    test_hf's compile tests)."""
+    args = ["--cp", "2", "--compile", "--ac", "--layout", "head_tail", "--steps", "2", *SMALL, "--reference"]
+    code, out = run(args, nproc=2)
     assert code == 0 and "Applied torch.compile(fullgraph=True)" in out and "EQUAL" in out, out[-3000:]
 
 

@@ -57,7 +57,10 @@ def reduce_scatter(grad, group, layout="contiguous"):
     C, half = out.shape[0] // 2, gs.shape[0] // 2
     _group.reduce_scatter_single(out[:C], gs[:half], group=group)
     tails = gs[half:]
-    if tails.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr():
+    if (
+        torch.compiler.is_compiling()
+        or tails.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr()
+    ):
         tails = tails.clone()  # a view of grad_output, which is not ours to reorder
     _reverse_blocks(tails, n)  # rank order
     _group.reduce_scatter_single(out[C:], tails, group=group)
