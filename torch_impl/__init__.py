@@ -1,7 +1,8 @@
 """Memory-bounded sequence transport for context parallelism, on torch.distributed.
 
-A sequence of n * L tokens is split into n equal contiguous shards, one per CP rank: rank r holds
-x: [batch, L, ...] with the global tokens [r*L, (r+1)*L).
+A sequence of n * L tokens is split into n equal shards, one per CP rank: by default contiguous,
+rank r holding x: [batch, L, ...] with the global tokens [r*L, (r+1)*L); with `layout="head_tail"`
+(every function's keyword; `torch_impl.layout`) rank r holds chunks r and 2n-1-r of L/2 tokens.
 
 | function          | forward                         | backward                                 |
 |-------------------|---------------------------------|------------------------------------------|
