@@ -282,7 +282,7 @@ def test_head_tail_halos_move_only_the_windows(pool):
     chunks' windows that other ranks hold and the gradients of its tokens that other ranks' windows
     held (brute force over global tokens; rank 3's own head, in its tail's window, moves nothing)."""
     n, L, D, sizes = 4, 6, 8, [0, 1, 3, 4, 7, 12, 21, 30]
-    (results,) = pool.run(("first", n), torch_cases.layout_halo_bytes, sizes, L, D, "head_tail")
+    (results,) = pool.run(("first", n), torch_cases.halo_bytes, sizes, L, D, "head_tail", False)
     owner = {t: r for r in range(n) for t in expected.local_tokens(n, L, r, "head_tail")}
     for h, per_rank in zip(sizes, zip(*results, strict=True), strict=True):
         segments = [expected.halo_segments(n, L, r, h, "head_tail") for r in range(n)]

@@ -115,10 +115,11 @@ def hybrid_block(group, config, batch, seq_len, pad):
     return hb.cp_forward_backward(block, *inputs[:2], group, *inputs[2:])
 
 
-def halo_bytes(group, halo_sizes, L, D):
-    """Per halo size: bytes this rank received in one forward+backward of gather_halo, counted at
-    the c10d calls for the eager p2p exchange and for the all_to_all one that torch.compile traces,
-    and the TCP bytes of the compiled call (a dispatch mode cannot watch compiled code)."""
+def halo_bytes(group, halo_sizes, L, D, layout="contiguous", compiled=True):
+    """Per halo size: bytes this rank received in one forward+backward of gather_halo under
+    `layout`, counted at the c10d calls for the eager p2p exchange and for the all_to_all one that
+    torch.compile traces, and (compiled) the TCP bytes of the compiled call (a dispatch mode cannot
+    watch compiled code)."""
     from torch_impl.halo import halo_all_to_all
     from torch_impl.traffic import PayloadCounter, wire_bytes
 
@@ -128,34 +129,19 @@ def halo_bytes(group, halo_sizes, L, D):
         row = {}
         for name, fn in (("p2p", torch_impl.gather_halo), ("all_to_all", halo_all_to_all)):
             with PayloadCounter() as counted:
-                fn(x, group, h).sum().backward()
-            row[name] = counted.received
-        compiled = torch.compile(
-            lambda x, h=h: torch_impl.gather_halo(x, group, h), backend="aot_eager", fullgraph=True
-        )
-        compiled(x).sum().backward()  # compiles
-        dist.barrier(group)
-        before = wire_bytes()[0]
-        compiled(x).sum().backward()
-        row["compiled_wire"] = wire_bytes()[0] - before
-        dist.barrier(group)
-        out.append(row)
-    return out
-
-
-def layout_halo_bytes(group, halo_sizes, L, D, layout):
-    """Per halo size: bytes this rank received in one forward+backward of gather_halo under
-    `layout`, counted at the c10d calls, for the eager p2p exchange and the all_to_all one."""
-    from torch_impl.halo import halo_all_to_all
-    from torch_impl.traffic import PayloadCounter
-
-    x = torch.randn(1, L, D, requires_grad=True)
-    out = []
-    for h in halo_sizes:
-        row = {}
-        for name, fn in (("p2p", torch_impl.gather_halo), ("all_to_all", halo_all_to_all)):
-            with PayloadCounter() as counted:
                 fn(x, group, h, layout=layout).sum().backward()
             row[name] = counted.received
+        if not compiled:
+            out.append(row)
+            continue
+        step = torch.compile(
+            lambda x, h=h: torch_impl.gather_halo(x, group, h), backend="aot_eager", fullgraph=True
+        )
+        step(x).sum().backward()  # compiles
+        dist.barrier(group)
+        before = wire_bytes()[0]
+        step(x).sum().backward()
+        row["compiled_wire"] = wire_bytes()[0] - before
+        dist.barrier(group)
         out.append(row)
     return out

@@ -121,7 +121,7 @@ def _halo_backward(grad, group, plan, lens, left_padding, C):
     )
     selves = [t for t in plan if t.src == t.dst == r]
     if len(own) > 1 or returned or selves:  # grad_output is not ours to add into
-        local = torch.cat(own).contiguous()  # [L, B, ...]
+        local = torch.cat(own)  # [L, B, ...], a new tensor
     else:
         local = own[0]
     for t in selves:

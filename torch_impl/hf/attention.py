@@ -191,36 +191,32 @@ def attention(module, query, key, value, attention_mask, **kwargs):
 
 
 def attend_chunks(module, query, key, value, padding, documents, window, **kwargs):
-    """A layout of several chunks a rank (head_tail): the keys arrive in that layout (full:
-    gather_sequence, the global order; a window W: gather_halo(W - 1), one segment per chunk, its
-    window then the chunk), the padding mask whole ([B, S], global order), and each chunk's queries
+    """A layout of several chunks a rank (head_tail): keys, values and the padding mask arrive in
+    that layout (full: gather_sequence / gather_metadata, the global order; a window W:
+    gather_halo(W - 1), one segment per chunk, its window then the chunk), and each chunk's queries
     attend at their global rows over their own keys. Returns ([B, L, H, D], None)."""
     plan, L = module.context_parallel, query.shape[2]
-    n, r, layout = _group.world_size(plan.group), _group.rank(plan.group), plan.layout
+    group, layout = plan.group, plan.layout
     C = chunk_len(layout, L)
-    padding = None if padding is None else gather_metadata(padding, plan.group, layout=layout)  # [B, S]
     if window is None:
-        key = gather_sequence(key.transpose(1, 2), plan.group, layout=layout).transpose(
-            1, 2
-        )  # [B, Hkv, S, D]
-        value = gather_sequence(value.transpose(1, 2), plan.group, layout=layout).transpose(1, 2)
-    else:
-        key = gather_halo(key.transpose(1, 2), plan.group, window - 1, layout=layout).transpose(1, 2)
-        value = gather_halo(value.transpose(1, 2), plan.group, window - 1, layout=layout).transpose(1, 2)
+        key = gather_sequence(key.transpose(1, 2), group, layout=layout).transpose(1, 2)  # [B, Hkv, S, D]
+        value = gather_sequence(value.transpose(1, 2), group, layout=layout).transpose(1, 2)
+        padding = None if padding is None else gather_metadata(padding, group, layout=layout)  # [B, S]
+    else:  # one segment per chunk: [B, Hkv, h_k + C, D] each, h_k = min(cC, W - 1)
+        key = gather_halo(key.transpose(1, 2), group, window - 1, layout=layout).transpose(1, 2)
+        value = gather_halo(value.transpose(1, 2), group, window - 1, layout=layout).transpose(1, 2)
+        padding = None if padding is None else gather_halo(padding, group, window - 1, layout=layout)
     outs, row = [], 0
-    for k, c in enumerate(chunks(layout, n, r)):
-        start, first_key, keys, values = c * C, 0, key, value  # full: every key, cut at the chunk's end
-        if window is not None:  # this chunk's segment: its h = min(cC, W - 1) keys, then its own
+    for k, c in enumerate(chunks(layout, _group.world_size(group), _group.rank(group))):
+        start, first_key, keys, values, mask = c * C, 0, key, value, padding  # full: cut at the chunk's end
+        if window is not None:  # this chunk's segment
             first_key = start - min(start, window - 1)
-            keys, values = (
-                key[:, :, row : row + start - first_key + C],
-                value[:, :, row : row + start - first_key + C],
-            )
-            row += start - first_key + C
+            rows = slice(row, row + start - first_key + C)
+            keys, values, row = key[:, :, rows], value[:, :, rows], rows.stop
+            if padding is not None:  # indexed by global key position, as attend takes it (local zeros)
+                mask = torch.cat([padding.new_zeros(padding.shape[0], first_key), padding[:, rows]], dim=1)
         q = query[:, :, k * C : (k + 1) * C]  # [B, H, C, D]
-        outs.append(
-            attend(module, q, keys, values, padding, documents, first_key, window, start, **kwargs)[0]
-        )
+        outs.append(attend(module, q, keys, values, mask, documents, first_key, window, start, **kwargs)[0])
     return torch.cat(outs, dim=1), None  # [B, L, H, D]
 
 
