@@ -21,3 +21,13 @@ def pool():
     workers = WorkerPool()
     yield workers
     workers.close()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """CP_TEST_MARGINS=1: each test's worst difference against its bound (parity_tests.bounds)."""
+    from parity_tests import bounds
+
+    if bounds.WORST and os.environ.get(bounds.ENV_VAR, "0") == "1":
+        terminalreporter.section("margins")
+        for line in bounds.report():
+            terminalreporter.write_line(line)

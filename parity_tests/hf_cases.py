@@ -14,13 +14,14 @@ from torch_impl.hf.indexed import BlockedIndexer
 from torch_impl.traffic import PayloadCounter, tag_layers
 
 
-def cp_step(group, name, dtype, state, batch, mode="eval", layout="contiguous"):
+def cp_step(group, name, dtype, state, batch, mode="eval", layout="contiguous", query_block=None):
     """One forward and backward of the CP model on this rank's shard.
 
     mode: "eval"; "train" (model.train()); "train_ac" (train + transformers' activation
     checkpointing); "train_ac_saved" (train, checkpointing with hf.checkpoint_kwargs());
     "train_ac_compiled" (that, and every decoder layer compiled by inductor with fullgraph=True).
-    layout: the sequence layout given to parallelize and shard_batch. Returns logits, loss, every
+    layout: the sequence layout given to parallelize and shard_batch. query_block: the indexer's
+    query rows a block (DeepSeek Sparse Attention; default BlockedIndexer's). Returns logits, loss, every
     parameter's grad (this rank's partial sum), which math each
     attention layer took (`paths`: None for torch_impl.attention, else why it kept the dense mask)
     and how many calls reached torch_impl.attention, and in eval mode the bytes received per
@@ -32,6 +33,9 @@ def cp_step(group, name, dtype, state, batch, mode="eval", layout="contiguous"):
     if mode == "train_ac":
         model.activation_checkpointing_enable()
     hf.parallelize(model, group, layout=layout)
+    for module in model.modules():
+        if query_block is not None and isinstance(module, BlockedIndexer):
+            module.query_block = query_block
     if mode in ("train_ac_saved", "train_ac_compiled"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=hf.checkpoint_kwargs())
     if mode == "train_ac_compiled":
@@ -135,18 +139,33 @@ def unsupported_call(group, name, state, batch, call):
 
 def mismatched_inputs(group, name, state, batch, case):
     """Rank 0 and rank 1 given inconsistent inputs (without the check, the first mismatched
-    collective hangs, aborts the process in gloo, or returns garbage): the ValueError on each rank."""
+    collective hangs, aborts the process in gloo, or returns garbage): the ValueError on each rank.
+    Each case makes rank 0 differ in one field of the check's signature (inputs_embeds also in its
+    embedding width, which is 0 without it)."""
     model = hf_models.build(name)
     model.load_state_dict(state)
     hf.parallelize(model, group)
     first = dist.get_rank(group) == 0
-    if case == "longer_on_rank_0":  # rank 0 shards a 48-token batch, rank 1 the 24-token one
-        long = {key: torch.cat([value, value], dim=1) for key, value in batch.items()}
-        local = hf.shard_batch(long if first else batch, group)
-    elif case == "mask_on_rank_0_only":
-        local = hf.shard_batch(
-            batch if first else {k: v for k, v in batch.items() if k != "attention_mask"}, group
-        )
+    local = hf.shard_batch(batch, group)
+    if first and case == "longer_on_rank_0":  # rank 0 shards a 48-token batch, rank 1 the 24-token one
+        local = hf.shard_batch({key: torch.cat([value, value], dim=1) for key, value in batch.items()}, group)
+    elif first and case == "fewer_rows_on_rank_0":
+        local = hf.shard_batch({key: value[:1] for key, value in batch.items()}, group)
+    elif not first and case == "mask_on_rank_0_only":
+        local = hf.shard_batch({k: v for k, v in batch.items() if k != "attention_mask"}, group)
+    elif first and case == "positions_on_rank_0_only":  # its own global positions, 0 .. L-1
+        local["position_ids"] = torch.arange(local["input_ids"].shape[1]).expand_as(local["input_ids"])
+    elif first and case in ("embeds_on_rank_0_only", "wider_embeds_on_rank_0"):
+        ids = local.pop("input_ids")
+        local["inputs_embeds"] = model.get_input_embeddings()(ids).detach()
+        if case == "wider_embeds_on_rank_0":  # both ranks pass embeddings; rank 0's are wider
+            local["inputs_embeds"] = torch.nn.functional.pad(local["inputs_embeds"], (0, 1))
+    elif not first and case == "wider_embeds_on_rank_0":
+        local["inputs_embeds"] = model.get_input_embeddings()(local.pop("input_ids")).detach()
+    elif first and case == "cache_on_rank_0_only":  # an empty cache: rank 0's own check passes
+        local["past_key_values"] = DynamicCache(config=model.config)
+    elif first and case == "use_cache_on_rank_0_only":
+        local["use_cache"] = True
     try:
         model(**local)
         return None
@@ -257,3 +276,30 @@ def compiled_layers(group, name, state, batch, backend):
         out.loss.backward()
         runs.append((out.logits.detach(), {k: p.grad for k, p in model.named_parameters()}))
     return runs
+
+
+def data_parallel_grads(group, name, state, batch, dp, wrap, global_num_items):
+    """DP x CP over the group's ranks (a (dp, cp) DeviceMesh, cp = size / dp): DP replica d takes row
+    d of the batch, its CP ranks split it; `wrap` ("ddp" or "fsdp2") by hf.apply_ddp / apply_fsdp.
+    global_num_items: each rank's loss is its share of the mean over every row (the valid labels of
+    the whole batch), else of its own row's mean. Returns every parameter's reduced gradient."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    n = dist.get_world_size(group)
+    ranks = torch.tensor(dist.get_process_group_ranks(group)).view(dp, n // dp)
+    mesh = DeviceMesh("cpu", ranks, mesh_dim_names=("dp", "cp"))
+    model = hf_models.build(name)
+    model.load_state_dict(state)
+    model.eval()
+    hf.parallelize(model, mesh["cp"], verbose=False)
+    apply = hf.apply_ddp if wrap == "ddp" else hf.apply_fsdp
+    wrapped = apply(model, mesh, global_num_items=global_num_items)
+    d = mesh["dp"].get_local_rank()
+    local = hf.shard_batch({key: value[d : d + 1] for key, value in batch.items()}, mesh["cp"])
+    if global_num_items:
+        local["num_items_in_batch"] = hf.shard_batch(batch, None)["num_items_in_batch"]
+    wrapped(**local).loss.backward()
+    grads = {}
+    for key, p in model.named_parameters():
+        grads[key] = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+    return grads
