@@ -33,7 +33,9 @@ def u(dtype):
 
 def check(difference, bound, what):
     """Assert `difference <= bound` (NaN fails) and keep the ratio for the margins report."""
-    difference, bound = float(difference), float(bound)
+    difference, bound = (
+        float(v.detach()) if isinstance(v, torch.Tensor) else float(v) for v in (difference, bound)
+    )
     ratio = difference / bound if bound > 0 else (0.0 if difference == 0 else float("inf"))
     if ratio != ratio:  # NaN
         ratio = float("inf")

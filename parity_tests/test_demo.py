@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from examples import demo
 from examples import hybrid_block as hb
-from parity_tests import torch_cases
+from parity_tests import bounds, torch_cases
 from parity_tests.workers import layout_ranks
 
 
@@ -53,7 +53,10 @@ def test_cp_block_equals_single_process_block(pool, layout, window, batch):
     for group_results in results:
         diffs = hb.max_differences(reference, group_results)
         assert len(diffs) == 2 + len(list(block.parameters()))
-        assert max(diffs.values()) <= demo.TOLERANCE["float32"], diffs
+        # float32 (examples/demo.py's tolerance): a conv of K = 4 taps and two attentions summing up
+        # to 24 keys in another order, over values of order 1: a few hundred float32 ulps
+        worst = max(diffs, key=diffs.get)
+        bounds.check(diffs[worst], demo.TOLERANCE["float32"], f"{worst} ({diffs})")
     assert n == len(results[0])
 
 

@@ -220,6 +220,9 @@ HEAD_TAIL = [  # (n, C, batch, trailing, dtype): L = 2C
     (4, 2, 1, (3,), "float32"),
     (8, 1, 1, (), "bfloat16"),
 ]
+# gather_sequence reverses the tails' chunks in strips of ceil(C/8) rows: chunks that end in a
+# partial strip (C = 11: strips of 2; C = 100: of 13)
+PARTIAL_STRIPS = [(2, 11, 1, (2,), "float32"), (3, 100, 2, (), "float64")]
 
 
 def check_head_tail_halo(pool, n, C, batch, trailing, dtype, kind, transport):
@@ -296,7 +299,7 @@ def test_head_tail_halo_parity(pool, n, C, batch, trailing, dtype, kind, transpo
 
 
 @pytest.mark.parametrize("kind", DATA)
-@pytest.mark.parametrize("n,C,batch,trailing,dtype", HEAD_TAIL, ids=str)
+@pytest.mark.parametrize("n,C,batch,trailing,dtype", HEAD_TAIL + PARTIAL_STRIPS, ids=str)
 def test_head_tail_sequence_and_metadata_parity(pool, n, C, batch, trailing, dtype, kind):
     """gather_sequence: the global order on every rank, gradients summed back to the owners of
     both chunks; gather_metadata: the same order, no gradient."""

@@ -7,12 +7,15 @@ file. Every launch has a time limit.
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 
 import pytest
+
+from parity_tests import bounds
 
 LAUNCH_TIMEOUT_S = 240
 # the console script: `python -m torch.distributed.run` starts its workers twice as slowly here
@@ -40,6 +43,14 @@ def run(args, **kwargs):
     return finish(torchrun(args, **kwargs))
 
 
+def check_verdict(out):
+    """The job's own comparison with one process (examples/train.py's docstring derives its
+    tolerance), kept for the margins report: its largest loss difference against its tolerance."""
+    found = re.search(r"EQUAL: largest difference (\S+) \(tolerance (\S+) for", out)
+    assert found, out[-3000:]
+    bounds.check(float(found[1]), float(found[2]), "the job's largest loss difference")
+
+
 @pytest.mark.parametrize(
     "args",
     [
@@ -55,6 +66,7 @@ def test_training_equals_one_process(tmp_path, args):
         [*args, *SMALL, "--reference", "--metrics", str(metrics), "--figure", str(tmp_path / "f.png")]
     )
     assert code == 0 and "EQUAL: largest difference" in out, out[-3000:]
+    check_verdict(out)
     m = json.loads(metrics.read_text())
     steps = int(args[args.index("--steps") + 1])
     assert m["losses"].keys() == m["reference_losses"].keys() == {str(s + 1) for s in range(steps)}
@@ -75,6 +87,7 @@ def test_pure_data_parallelism_and_one_process_train(tmp_path):
     examples.train`, one process without torchrun. Both equal the reference."""
     code, out = run(["--dp", "2", "--cp", "1", "--steps", "2", *SMALL, "--reference"], nproc=2)
     assert code == 0 and "No CP (--cp 1)" in out and "EQUAL" in out, out[-3000:]
+    check_verdict(out)
     command = [sys.executable, "-m", "examples.train", "--steps", "2", *SMALL, "--reference"]
     command += ["--figure", str(tmp_path / "f.png")]
     one = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
@@ -89,6 +102,7 @@ def test_compiled_layers_with_activation_checkpointing_train():
     args = ["--cp", "2", "--compile", "--ac", "--layout", "head_tail", "--steps", "2", *SMALL, "--reference"]
     code, out = run(args, nproc=2)
     assert code == 0 and "Applied torch.compile(fullgraph=True)" in out and "EQUAL" in out, out[-3000:]
+    check_verdict(out)
 
 
 def test_a_difference_over_the_tolerance_fails_the_job():
@@ -124,3 +138,4 @@ def test_two_nodes_on_one_machine(tmp_path):
     results = [finish(node) for node in nodes]
     assert all(code == 0 for code, _ in results), [out[-2000:] for _, out in results]
     assert sum("EQUAL: largest difference" in out for _, out in results) == 1  # global rank 0's node
+    check_verdict("".join(out for _, out in results))

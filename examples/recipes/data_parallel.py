@@ -10,8 +10,10 @@ ranks' gradients are summed and the DP ranks' averaged: `hf.apply_fsdp` / `hf.ap
 up. DDP wrapped as it is averages over all 4 ranks instead: half the gradients (`--wrap ddp-as-is`
 shows it). Every rank also runs one process on the whole batch and compares, step by step: the
 loss, every gradient before AdamW steps (AdamW's update would hide a scaled gradient), and at the
-end the parameters. float64, so that they agree to 1e-9 (measured: 1e-12; transformers' loss is
-computed in float32, so the printed losses differ in the 7th digit).
+end the parameters. float64, but transformers' RMS norms and loss compute in float32, and a float32
+step given float64 inputs that differ in their last bits may round one ulp (2^-23 relative) apart:
+to 1e-6 of each tensor's largest entry (measured: 1e-12; the printed losses differ in the 7th
+digit; DDP wrapped as it is: 0.5).
 """
 
 import argparse
@@ -26,6 +28,7 @@ from examples.recipes.common import finish
 from torch_impl import hf
 
 STEPS, ROWS, SEQ = 3, 2, 256
+TOLERANCE = 1e-6  # of each tensor's largest entry (the docstring)
 
 
 def build():
@@ -93,9 +96,10 @@ def main():
         ((full(p.detach()) - params[name]).abs().max() / params[name].abs().max()).item()
         for name, p in (model if wrap == "fsdp2" else model.module).named_parameters()
     )
-    verdict = "EQUAL" if max(worst, drift) < 1e-9 else "DIFFERENT"
+    verdict = "EQUAL" if max(worst, drift) <= TOLERANCE else "DIFFERENT"
     if dist.get_rank() == 0:
         print(f"{verdict} ({wrap}): after {STEPS} AdamW steps the parameters are apart by {drift:.1e}")
+        print(f"largest difference {max(worst, drift):.3e} (tolerance {TOLERANCE:g})")
     finish(verdict == "EQUAL")
 
 

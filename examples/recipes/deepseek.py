@@ -7,7 +7,9 @@ indexer scores highest. Rank r receives the MLA latents and indexer keys of the 
 own, point to point (nothing of later ranks), runs the model's own indexer over them and attends
 over the keys it picked. float64: the indexer's top-k and the MoE router's top-2 are discrete
 choices from float32 scores, and in float32 a rounding difference between CP and one process can
-flip a near tie (then the two runs part); in float64 they agree.
+flip a near tie (then the two runs part); in float64 they agree, to the float32 rounding that
+transformers' RMS norms and router still apply (they compute in float32 whatever the dtype: a few
+steps of 2^-24 of the logits, which stay below 1): 1e-6.
 """
 
 import torch
@@ -60,7 +62,7 @@ def main():
     out.loss.backward()  # the indexer gets no gradient (transformers runs it under no_grad)
 
     one = deepseek_v32()(**batch)
-    finish(compare("DeepSeek V3.2, index_topk 64 of 512", out, one, tolerance=1e-9))
+    finish(compare("DeepSeek V3.2, index_topk 64 of 512", out, one, tolerance=1e-6))
 
 
 if __name__ == "__main__":

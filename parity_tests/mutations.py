@@ -1,0 +1,181 @@
+"""Plausible bugs in the library, each of which some test of the suite must catch (`make mutants`).
+
+    .venv/bin/python -m parity_tests.mutations [NAME ...]
+
+Each mutation is one textual change to one file of the library and the tests that must fail on
+it. The script copies the tracked tree to a temporary folder per mutation, applies the change
+there, runs those tests with this interpreter and reports whether they failed ("caught"); it exits
+1 when one was not. (parity_tests/mutants.py holds the deliberately wrong transports that the
+parity suite's own self-check runs in every `make test`.)
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import NamedTuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT_S = 600
+
+
+class Mutation(NamedTuple):
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple  # pytest arguments that select the tests which must fail
+
+
+MUTATIONS = [
+    Mutation(  # every tested chunk length once divided into whole strips
+        "reverse_blocks_skips_a_partial_strip",
+        "torch_impl/sequence.py",
+        "for row in range(0, blocks.shape[1], step):",
+        "for row in range(0, blocks.shape[1] - step + 1, step):",
+        ("parity_tests/test_parity.py", "-k", "head_tail_sequence"),
+    ),
+    Mutation(  # every value test once ran the indexer in one block
+        "indexer_blocks_use_block_0_rows",
+        "torch_impl/hf/indexed.py",
+        "mask = context.visible(queries[None, :, None],",
+        "mask = context.visible(query_rows[: len(queries)][None, :, None],",
+        ("parity_tests/test_hf.py", "-k", "several_query_blocks"),
+    ),
+    Mutation(  # every DP test once had dp = cp
+        "dp_size_from_the_cp_dimension",
+        "torch_impl/data_parallel.py",
+        'return mesh[dp_dim, cp_dim]._flatten(f"{dp_dim}_{cp_dim}"), mesh[dp_dim].size()',
+        'return mesh[dp_dim, cp_dim]._flatten(f"{dp_dim}_{cp_dim}"), mesh[cp_dim].size()',
+        ("parity_tests/test_hf.py", "-k", "data_parallel_gradients"),
+    ),
+    Mutation(  # apply_ddp(global_num_items=True) was never called
+        "apply_ddp_drops_global_num_items",
+        "torch_impl/data_parallel.py",
+        "global_num_items=global_num_items, dp_dim=dp_dim, cp_dim=cp_dim)\n    ddp = ",
+        "dp_dim=dp_dim, cp_dim=cp_dim)\n    ddp = ",
+        ("parity_tests/test_hf.py", "-k", "data_parallel_gradients and ddp"),
+    ),
+    Mutation(  # only 2 of the inputs check's 8 fields were ever made to differ
+        "inputs_check_never_compares_position_ids",
+        "torch_impl/hf/inputs.py",
+        '"position_ids": int(argument("position_ids") is not None),',
+        '"position_ids": int(argument("attention_mask") is not None),',
+        ("parity_tests/test_hf.py", "-k", "different_inputs"),
+    ),
+    # what the hf equality bounds must still see (parity_tests/test_hf.py's docstring)
+    Mutation(
+        "head_tail_gather_swaps_two_tokens",
+        "torch_impl/sequence.py",
+        "    _reverse_blocks(out[half:], n)\n    return out.transpose(0, 1)",
+        "    _reverse_blocks(out[half:], n)\n    out[[half, half + 1]] = out[[half + 1, half]]\n"
+        "    return out.transpose(0, 1)",
+        ("parity_tests/test_hf.py", "-k", "head_tail_packed and deepseek"),
+    ),
+    Mutation(
+        "window_one_key_longer",
+        "torch_impl/hf/attention.py",
+        "            window=window,\n            scale=",
+        "            window=None if window is None else window + 1,\n            scale=",
+        ("parity_tests/test_hf.py", "-k", "one_process_float64 and (mistral or gemma3)"),
+    ),
+    Mutation(
+        "document_ids_one_token_late",
+        "torch_impl/hf/inputs.py",
+        "documents = find_packed_sequence_indices(everywhere)  #",
+        "documents = F.pad(find_packed_sequence_indices(everywhere)[:, :-1], (1, 0))  #",
+        ("parity_tests/test_hf.py", "-k", "head_tail_packed and deepseek"),
+    ),
+    Mutation(
+        "full_attention_drops_the_padding",
+        "torch_impl/hf/attention.py",
+        "padding = None if padding is None else gather_metadata(padding, group)  # [B, S]",
+        "padding = None  # [B, S]",
+        ("parity_tests/test_hf.py", "-k", "one_process_float64 and llama"),
+    ),
+    Mutation(
+        "head_tail_full_attention_drops_the_padding",
+        "torch_impl/hf/attention.py",
+        "padding = None if padding is None else gather_metadata(padding, group, layout=layout)  # [B, S]",
+        "padding = None  # [B, S]",
+        ("parity_tests/test_hf.py", "-k", "head_tail_layout and llama"),
+    ),
+    Mutation(
+        "indexed_attention_drops_the_padding",
+        "torch_impl/hf/inputs.py",
+        "padding = gather_metadata(padding.bool(), self.group, layout=self.layout)  # [B, S]",
+        "padding = None  # [B, S]",
+        ("parity_tests/test_hf.py", "-k", "indexed_attention_with_left_padding and deepseek"),
+    ),
+]
+
+
+def tracked_files():
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return [path for path in out.stdout.splitlines() if os.path.isfile(os.path.join(ROOT, path))]
+
+
+def run(mutation, files):
+    """(caught, what happened): the mutation's tests run on a mutated copy of the tree."""
+    with tempfile.TemporaryDirectory(prefix="cp_mutation_") as tree:
+        for path in files:
+            os.makedirs(os.path.dirname(os.path.join(tree, path)) or tree, exist_ok=True)
+            with open(os.path.join(ROOT, path), "rb") as src, open(os.path.join(tree, path), "wb") as dst:
+                dst.write(src.read())
+        target = os.path.join(tree, mutation.path)
+        with open(target) as f:
+            text = f.read()
+        if text.count(mutation.old) != 1:
+            return False, f"the text to change occurs {text.count(mutation.old)} times in {mutation.path}"
+        with open(target, "w") as f:
+            f.write(text.replace(mutation.old, mutation.new))
+        env = {**os.environ, "PYTHONPATH": tree}  # the copy, not the installed tree
+        where = subprocess.run(
+            [sys.executable, "-c", "import torch_impl; print(torch_impl.__file__)"],
+            cwd=tree,
+            env=env,
+            capture_output=True,
+            text=True,
+        ).stdout
+        if not where.startswith(tree):
+            return False, f"the copy's torch_impl was not the one imported ({where.strip()})"
+        command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *mutation.tests]
+        try:
+            proc = subprocess.run(
+                command, cwd=tree, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+            )
+        except subprocess.TimeoutExpired:
+            return True, f"the tests did not finish within {TIMEOUT_S} s (a hang)"
+        last = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+        if proc.returncode == 1:
+            return True, last
+        return False, f"pytest exit code {proc.returncode}: {last}"
+
+
+def main(names):
+    chosen = [m for m in MUTATIONS if not names or m.name in names]
+    unknown = set(names) - {m.name for m in MUTATIONS}
+    if unknown:
+        raise SystemExit(f"unknown mutations {sorted(unknown)}; known: {[m.name for m in MUTATIONS]}")
+    files, missed = tracked_files(), []
+    for mutation in chosen:
+        start = time.monotonic()
+        caught, what = run(mutation, files)
+        print(
+            f"{'caught' if caught else 'MISSED'}  {mutation.name} ({time.monotonic() - start:.0f} s): {what}"
+        )
+        if not caught:
+            missed.append(mutation.name)
+    print(f"{len(chosen) - len(missed)} of {len(chosen)} mutations caught")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
