@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-block demo-routing test parity lint bench bench-quick bench-train bench-capacity gpu-check clean
+.PHONY: demo demo-block demo-routing test parity mutants lint bench bench-quick bench-train bench-capacity gpu-check clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ test: $(STAMP)
 
 parity: $(STAMP)
 	$(PY) -m pytest -q parity_tests/test_parity.py
+
+mutants: $(STAMP)
+	$(PY) -m parity_tests.mutations
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
