@@ -154,7 +154,9 @@ def run(mutation, files):
         except subprocess.TimeoutExpired:
             return True, f"the tests did not finish within {TIMEOUT_S} s (a hang)"
         last = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
-        over = [line for line in proc.stdout.splitlines() if "over its bound" in line][:1]
+        over = [
+            line for line in proc.stdout.splitlines() if line.startswith("E") and "over its bound" in line
+        ][:1]
         if proc.returncode == 1:
             return True, "; ".join([last, *(line.strip().removeprefix("E").strip() for line in over)])
         return False, f"pytest exit code {proc.returncode}: {last}"
