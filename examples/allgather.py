@@ -20,23 +20,21 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from torch_impl import gather_metadata, gather_sequence, hf
-from torch_impl.hf.attention import attend, check_call, local_mask
+from torch_impl.hf.attention import Keys, attend_windows, check_call, local_mask
 from torch_impl.hf.indexed import AbsorbedMLA, IndexedContext
+from torch_impl.layout import ShardPlan
 
 IMPLEMENTATION = "cp_allgather"
 
 
-def fetch_keys(group, key, value, padding, window):
-    """torch_impl.hf.attention.fetch_keys's result, from all-gathers of the whole K and V in every layer."""
-    L = key.shape[2]
+def fetch_keys(group, shard, key, value, padding, window):
+    """torch_impl.hf.attention.fetch_keys's Keys, from all-gathers of the whole K and V in every
+    layer: each chunk attends over the rows [first_key, end) of the gathered sequence."""
     key = gather_sequence(key.transpose(1, 2), group).transpose(1, 2)  # [B, Hkv, S, D]
     value = gather_sequence(value.transpose(1, 2), group).transpose(1, 2)  # [B, Hkv, S, D]
     padding = None if padding is None else gather_metadata(padding, group)  # [B, S]
-    if window is None:
-        return key, value, padding, 0
-    end = (dist.get_rank(group) + 1) * L
-    first_key = max(0, end - L - (window - 1))
-    return key[:, :, first_key:end], value[:, :, first_key:end], padding, first_key  # [B, Hkv, h+L, D]
+    reach = None if window is None else window - 1
+    return Keys(key, value, padding, tuple((w, w.keys) for w in shard.windows(reach)))
 
 
 def indexed_attention(module, query, key, value, context, indices=None, scaling=None, **kwargs):
@@ -69,8 +67,10 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     check_call(module, attention_mask)
     padding, window = attention_mask
     documents = kwargs.pop(hf.DOCUMENTS, None)
-    key, value, padding, first_key = fetch_keys(module.context_parallel.group, key, value, padding, window)
-    return attend(module, query, key, value, padding, documents, first_key, window, **kwargs)
+    group = module.context_parallel.group
+    shard = ShardPlan.of("contiguous", dist.get_world_size(group), dist.get_rank(group), query.shape[2])
+    keys = fetch_keys(group, shard, key, value, padding, window)
+    return attend_windows(module, query, keys, documents, window, **kwargs)
 
 
 AttentionInterface.register(IMPLEMENTATION, attention)

@@ -5,6 +5,7 @@ import torch.distributed as dist
 
 import torch_impl
 from torch_impl import halo as halo_module
+from torch_impl.layout import ShardPlan
 
 
 def halo_off_by_one(x, group, halo_size, left_padding=0):
@@ -22,16 +23,15 @@ class _HaloGradToWrongOwner(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, halo_size, left_padding):
-        plan = torch_impl.halo_plan(dist.get_world_size(group), x.shape[1], halo_size)
-        ctx.group, ctx.left_padding, ctx.C = group, left_padding, x.shape[1]
-        ctx.lens = [min(dist.get_rank(group) * x.shape[1], halo_size)]
+        n, r, L = dist.get_world_size(group), dist.get_rank(group), x.shape[1]
+        plan = torch_impl.halo_plan(n, L, halo_size)
+        ctx.group, ctx.windows = group, ShardPlan.of("contiguous", n, r, L).windows(halo_size, left_padding)
         ctx.wrong_plan = tuple(t._replace(src=t.dst - 1) for t in plan)
-        return halo_module._halo_forward(x, group, plan, ctx.lens, left_padding, ctx.C)
+        return halo_module._halo_forward(x, group, plan, ctx.windows)
 
     @staticmethod
     def backward(ctx, grad):
-        args = (ctx.group, ctx.wrong_plan, ctx.lens, ctx.left_padding, ctx.C)
-        return halo_module._halo_backward(grad, *args), None, None, None
+        return halo_module._halo_backward(grad, ctx.group, ctx.wrong_plan, ctx.windows), None, None, None
 
 
 def halo_grad_to_wrong_owner(x, group, halo_size, left_padding=0):

@@ -16,6 +16,7 @@ import torch
 from parity_tests import expected, torch_cases
 from parity_tests.workers import layout_ranks
 import torch_impl
+from torch_impl.layout import ShardPlan
 
 L = 3
 FLOATS = ["float32", "float64", "bfloat16", "float16"]
@@ -292,3 +293,36 @@ def test_head_tail_halos_move_only_the_windows(pool):
             returned = sum(owner[t] == r for q in range(n) if q != r for t in windows[q])  # backward
             assert row["p2p"] == row["all_to_all"] == (received + returned) * D * 4, (r, h, row)
     assert any(owner[t] == 3 for t in windows[3])  # the local copy was exercised
+
+
+# --- the shard plan -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "head_tail"])
+def test_shard_plan_against_brute_force(layout):
+    """ShardPlan (which rows a rank holds, what a layer of reach h gives each of its chunks) for
+    n = 1..8, chunks of 1 and 3 tokens, every reach from 0 to past the prefix and the whole prefix
+    (None), left padding 0 and 2: stated token by token over the global sequence."""
+    for n in range(1, 9):
+        for C in (1, 3):
+            L = C if layout == "contiguous" else 2 * C
+            for r in range(n):
+                plan = ShardPlan.of(layout, n, r, L)
+                rows = expected.local_tokens(n, L, r, layout)
+                assert plan.rows().tolist() == rows and plan.end == max(rows) + 1
+                for reach in [*range(n * L + 2), None]:
+                    for lp in (0, 2):
+                        row = 0
+                        windows = plan.windows(reach, lp)
+                        assert len(windows) == len(rows) // C
+                        for k, w in enumerate(windows):
+                            own = rows[k * C : (k + 1) * C]
+                            assert own == list(range(w.start, w.end)) == rows[w.queries]
+                            window = [t for t in range(w.start) if reach is None or w.start - t <= reach]
+                            assert list(range(w.first_key, w.start)) == window and w.halo == len(window)
+                            assert list(range(n * L))[w.keys] == window + own
+                            assert w.segment == slice(row, row + lp + len(window) + C), (n, r, reach, lp)
+                            assert w.own == slice(w.segment.stop - C, w.segment.stop)
+                            row = w.segment.stop
+    with pytest.raises(ValueError, match="`layout` must be one of"):
+        ShardPlan.of("zigzag", 2, 0, 4)

@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from torch_impl import _group, validation
-from torch_impl.layout import chunk_len, chunks
+from torch_impl.layout import ShardPlan
 
 
 class Transfer(NamedTuple):
@@ -22,33 +22,28 @@ class Transfer(NamedTuple):
     dst_chunk: int = 0  # which of dst's local chunks (head_tail: 0 head, 1 tail)
 
 
-def window_lens(layout, world_size, rank, local_len, halo_size):
-    """Per local chunk of `rank`: how many tokens its window holds, min(c*C, halo_size)."""
-    C = chunk_len(layout, local_len)
-    return [min(c * C, halo_size) for c in chunks(layout, world_size, rank)]
-
-
 def halo_plan(world_size, local_len, halo_size, layout="contiguous"):
     """Every transfer of a halo exchange, for both directions: forward src -> dst, backward dst -> src.
 
-    The window of chunk c (C tokens) is the global tokens [cC - h, cC), h = min(cC, halo_size). Chunk
-    c - s (s = 1, 2, ...) gives its last min(C, h - (s-1)*C) tokens, which land right before those
-    of chunk c - s + 1. Contiguous: chunk r is rank r's shard (C = L), so rank r - s sends its tail.
-    A transfer with src == dst (head_tail: rank n-1's tail reaching its own head) is a local copy.
+    The window of chunk c (C tokens) is the global tokens [first_key, cC), first_key = cC - min(cC,
+    halo_size) (ShardPlan.windows). Each earlier chunk it overlaps, nearest first, gives the rows of
+    it past first_key: the end of that chunk, on the rank that holds it. Contiguous: chunk r is rank
+    r's shard (C = L), so rank r - s sends its tail. A transfer with src == dst (head_tail: rank
+    n-1's tail reaching its own head) is a local copy.
     """
-    held = [chunks(layout, world_size, r) for r in range(world_size)]
-    C = chunk_len(layout, local_len)
-    owner = {c: (r, p) for r in range(world_size) for p, c in enumerate(held[r])}
+    shards = [ShardPlan.of(layout, world_size, r, local_len) for r in range(world_size)]
+    C = shards[0].chunk_len
+    owner = {c: (shard.r, k) for shard in shards for k, c in enumerate(shard.chunks)}
     plan = []
-    for dst in range(world_size):
-        for k, c in enumerate(held[dst]):
-            h = min(c * C, halo_size)
-            for s in range(1, c + 1):
-                length = min(C, h - (s - 1) * C)
-                if length <= 0:
+    for shard in shards:
+        for k, w in enumerate(shard.windows(halo_size)):
+            for c in range(w.chunk - 1, -1, -1):  # the chunks before, nearest first
+                lo = max(c * C, w.first_key)  # global rows [lo, (c+1)C) of chunk c are in the window
+                if lo >= (c + 1) * C:
                     break
-                src, p = owner[c - s]
-                plan.append(Transfer(src, dst, h - (s - 1) * C - length, length, (p + 1) * C - length, k))
+                src, p = owner[c]
+                length = (c + 1) * C - lo
+                plan.append(Transfer(src, shard.r, lo - w.first_key, length, (p + 1) * C - length, k))
     return tuple(plan)
 
 
@@ -59,20 +54,12 @@ def start_exchange(sends, recvs, group):
     return dist.batch_isend_irecv(ops) if ops else []
 
 
-def _segments(lens, C, left_padding):
-    """Per local chunk k, the output row where its window starts: [left_padding zeros, window, chunk]
-    segments one after the other. Returns (window starts, total rows)."""
-    starts, row = [], 0
-    for h in lens:
-        starts.append(row + left_padding)
-        row += left_padding + h + C
-    return starts, row
-
-
-def _halo_forward(x, group, plan, lens, left_padding, C):
-    """x: [B, L, ...] -> [B, sum_k (left_padding + h_k + C), ...]; pieces land in views of one buffer."""
+def _halo_forward(x, group, plan, windows):
+    """x: [B, L, ...] -> [B, sum_k (left_padding + h_k + C), ...]; pieces land in views of one buffer.
+    windows: this rank's ShardPlan.windows(halo_size, left_padding)."""
     r = _group.rank(group)
-    starts, T = _segments(lens, C, left_padding)
+    starts = [w.own.start - w.halo for w in windows]  # the output row of each window's first token
+    T = windows[-1].segment.stop
     sent = [t for t in plan if t.src == r and t.dst != r]
     longest = {}  # local chunk -> the longest tail it sends: one sequence-major copy per chunk
     for t in sent:
@@ -90,9 +77,9 @@ def _halo_forward(x, group, plan, lens, left_padding, C):
         group,
     )
     xs = x.transpose(0, 1)  # [L, B, ...]
-    for k, (start, h) in enumerate(zip(starts, lens, strict=True)):
-        out[start - left_padding : start].zero_()  # [left_padding, B, ...]
-        out[start + h : start + h + C].copy_(xs[k * C : (k + 1) * C])  # [C, B, ...]
+    for w, start in zip(windows, starts, strict=True):
+        out[w.segment.start : start].zero_()  # [left_padding, B, ...]
+        out[w.own].copy_(xs[w.queries])  # [C, B, ...]
     for t in plan:
         if t.src == t.dst == r:
             window(t).copy_(xs[t.src_start : t.src_start + t.length])
@@ -101,17 +88,17 @@ def _halo_forward(x, group, plan, lens, left_padding, C):
     return out.transpose(0, 1)  # [B, T, ...]
 
 
-def _halo_backward(grad, group, plan, lens, left_padding, C):
+def _halo_backward(grad, group, plan, windows):
     """grad: [B, sum_k (left_padding + h_k + C), ...] -> [B, L, ...]: the local chunks' gradient
     plus the gradients of every window piece this rank's tokens filled."""
     r = _group.rank(group)
-    starts, _ = _segments(lens, C, left_padding)
+    starts = [w.own.start - w.halo for w in windows]  # the output row of each window's first token
     gs = grad.transpose(0, 1)  # [T, B, ...]
 
     def window(t):
         return gs[starts[t.dst_chunk] + t.dst_start : starts[t.dst_chunk] + t.dst_start + t.length]
 
-    own = [gs[start + h : start + h + C] for start, h in zip(starts, lens, strict=True)]  # [C, B, ...] each
+    own = [gs[w.own] for w in windows]  # [C, B, ...] each
     returned = [t for t in plan if t.src == r and t.dst != r]  # pieces this rank sent: grads come back
     bufs = [gs.new_empty((t.length, *gs.shape[1:])) for t in returned]  # [length, B, ...]
     works = start_exchange(
@@ -143,8 +130,7 @@ def halo_all_to_all(x, group, halo_size, left_padding=0, layout="contiguous"):
     adds it onto the rows it came from. Same arguments and result as gather_halo.
     """
     n, r, L = _group.world_size(group), _group.rank(group), x.shape[1]
-    C, plan = chunk_len(layout, L), halo_plan(n, L, halo_size, layout)
-    lens = window_lens(layout, n, r, L, halo_size)
+    plan, windows = halo_plan(n, L, halo_size, layout), ShardPlan.of(layout, n, r, L).windows(halo_size)
     xs = x.transpose(0, 1)  # [L, B, ...]
     outgoing = [[t for t in plan if t.src == r and t.dst == peer != r] for peer in range(n)]
     incoming = [[i for i, t in enumerate(plan) if t.dst == r and t.src == peer != r] for peer in range(n)]
@@ -160,13 +146,13 @@ def halo_all_to_all(x, group, halo_size, left_padding=0, layout="contiguous"):
     # a rank that receives nothing still joins the backward all_to_all: its empty result stays in
     # the graph (else autograd, or the compiler, drops the collective on that rank only)
     segments = [] if row else [received]
-    for k in range(len(lens)):
+    for k, w in enumerate(windows):
         window = [i for i, t in enumerate(plan) if t.dst == r and t.dst_chunk == k][::-1]  # farthest first
         for i in window:
             t = plan[i]
             if t.src == r:  # a piece of its own chunks
                 pieces[i] = xs[t.src_start : t.src_start + t.length]
-        segments += [zeros, *(pieces[i] for i in window), xs[k * C : (k + 1) * C]]
+        segments += [zeros, *(pieces[i] for i in window), xs[w.queries]]
     return torch.cat(segments).transpose(0, 1)  # [B, sum_k (left_padding + h_k + C), ...]
 
 
@@ -183,14 +169,13 @@ class _GatherHalo(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, halo_size, left_padding, layout):
         n, r, L = _group.world_size(group), _group.rank(group), x.shape[1]
-        ctx.group, ctx.left_padding, ctx.C = group, left_padding, chunk_len(layout, L)
-        ctx.plan = halo_plan(n, L, halo_size, layout)
-        ctx.lens = window_lens(layout, n, r, L, halo_size)
-        return _halo_forward(x, group, ctx.plan, ctx.lens, left_padding, ctx.C)
+        ctx.group, ctx.plan = group, halo_plan(n, L, halo_size, layout)
+        ctx.windows = ShardPlan.of(layout, n, r, L).windows(halo_size, left_padding)
+        return _halo_forward(x, group, ctx.plan, ctx.windows)
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad_x = _halo_backward(grad_output, ctx.group, ctx.plan, ctx.lens, ctx.left_padding, ctx.C)
+        grad_x = _halo_backward(grad_output, ctx.group, ctx.plan, ctx.windows)
         return grad_x, None, None, None, None
 
 

@@ -8,7 +8,13 @@
 Chunk j is the global tokens [jC, (j+1)C). `head_tail` balances causal attention work: a rank's
 head queries see few keys, its tail queries many (the assignment of torch's head-tail load balancer
 and Megatron's). `jax_reference` defines the semantics of both.
+
+`ShardPlan` is the one answer to "which global rows does rank r hold, and which keys does a layer
+reaching h tokens back give each of its chunks": the transport, torch_impl.hf, the baselines and
+the benchmarks ask it instead of computing offsets themselves.
 """
+
+from typing import NamedTuple
 
 import torch
 
@@ -38,3 +44,77 @@ def global_rows(layout, n, r, local_len, device=None):
     """int64 [L]: the global position of each of rank r's local rows."""
     C = chunk_len(layout, local_len)
     return torch.cat([torch.arange(c * C, (c + 1) * C, device=device) for c in chunks(layout, n, r)])
+
+
+class Window(NamedTuple):
+    """One local chunk's queries and the keys a layer of reach h gives them (global rows
+    [first_key, end): the h' = min(start, h) tokens before the chunk, then the chunk)."""
+
+    chunk: int  # global chunk index c
+    queries: slice  # the chunk's rows among the rank's local tokens
+    start: int  # global row of its first token, c*C
+    first_key: int  # global row of its first key, start - h'
+    end: int  # one past its last token
+    segment: slice  # its rows in gather_halo(x, h, left_padding)'s output: zeros, window, chunk
+
+    @property
+    def halo(self):
+        """h': how many tokens before the chunk its window holds."""
+        return self.start - self.first_key
+
+    @property
+    def keys(self):
+        """Its keys' global rows [first_key, end), e.g. in a gathered sequence."""
+        return slice(self.first_key, self.end)
+
+    @property
+    def own(self):
+        """The chunk's rows within its segment (after the zeros and the window)."""
+        return slice(self.segment.stop - (self.end - self.start), self.segment.stop)
+
+
+class ShardPlan(NamedTuple):
+    """Rank r of n's shard of the sequence under a layout: local_len tokens in chunks of chunk_len."""
+
+    layout: str
+    n: int
+    r: int
+    local_len: int
+
+    @classmethod
+    def of(cls, layout, n, r, local_len):
+        check(layout, local_len)
+        return cls(layout, n, r, local_len)
+
+    @property
+    def chunk_len(self):
+        return chunk_len(self.layout, self.local_len)
+
+    @property
+    def chunks(self):
+        """The global chunk indices the rank holds, in local order."""
+        return chunks(self.layout, self.n, self.r)
+
+    def rows(self, device=None):
+        """int64 [L]: the global row of each local token."""
+        return global_rows(self.layout, self.n, self.r, self.local_len, device)
+
+    @property
+    def end(self):
+        """One past the rank's last global row: its queries' causal prefix is rows [0, end)."""
+        return (max(self.chunks) + 1) * self.chunk_len
+
+    def windows(self, reach=None, left_padding=0):
+        """Per local chunk, its Window for a layer that reaches `reach` tokens back (a window W:
+        W - 1; a conv of kernel K: K - 1; None: the whole causal prefix, keys from row 0), with the
+        segments of gather_halo(x, reach, left_padding)'s output."""
+        C, row, out = self.chunk_len, 0, []
+        for k, c in enumerate(self.chunks):
+            start = c * C
+            first_key = 0 if reach is None else start - min(start, reach)
+            length = left_padding + start - first_key + C
+            out.append(
+                Window(c, slice(k * C, (k + 1) * C), start, first_key, start + C, slice(row, row + length))
+            )
+            row += length
+        return tuple(out)

@@ -1,10 +1,10 @@
 """Full and sliding-window attention layers: the registered attention and mask functions.
 
-Rank r's keys arrive by `fetch_keys` (full: gather_sequence; a window W: gather_halo(W - 1)) and its
-queries attend over them at their global rows through torch_impl.attention, or, for layers whose
-math it does not compute, through the model's own function on a dense [L, T] mask (`attend`).
-Under the head_tail layout (`attend_chunks`) the keys arrive in that layout and each of the rank's
-two chunks attends over its own.
+Rank r's keys arrive by `fetch_keys` (full: gather_sequence; a window W: gather_halo(W - 1)) as a
+`Keys` value that says, per chunk the rank holds (torch_impl.layout.ShardPlan: one contiguous, two
+under head_tail), which of its rows that chunk attends over; each chunk's queries attend over them
+at their global rows through torch_impl.attention, or, for layers whose math it does not compute,
+through the model's own function on a dense [C, T] mask (`attend`).
 """
 
 from collections.abc import Callable
@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import (
     AttentionMaskInterface,
@@ -27,7 +28,7 @@ from torch_impl.attention import causal_attention
 from torch_impl.halo import gather_halo
 from torch_impl.hf._common import DOCUMENTS, IMPLEMENTATION
 from torch_impl.hf.indexed import IndexedContext, indexed_attention
-from torch_impl.layout import chunk_len, chunks
+from torch_impl.layout import ShardPlan
 from torch_impl.metadata import gather_metadata
 from torch_impl.sequence import gather_sequence
 
@@ -79,69 +80,76 @@ def local_mask(
     return LocalMask(attention_mask, local_size)  # packed sequences: the documents come as a kwarg
 
 
-def fetch_keys(group, key, value, padding, window):
-    """This rank's keys and values, their padding mask, and the global position of the first key.
+class Keys(NamedTuple):
+    """What a rank fetched for one attention layer, in the transport's order, and per local chunk
+    the Window it attends over and that window's rows in these tensors."""
 
-    key/value: [B, Hkv, L, D]; padding: bool [B, L] or None. Full attention (window None) gathers
-    keys 0 .. S-1; a window W fetches only the h = min(r*L, W-1) keys before this rank's own.
-    Returns key/value [B, Hkv, T, D] for the keys first_key .. (r+1)*L - 1, and the padding mask
-    indexed by global key position ([B, (r+1)*L] or [B, S]; False before first_key), or None.
-    """
-    L = key.shape[2]
+    key: torch.Tensor  # [B, Hkv, T, D]
+    value: torch.Tensor  # [B, Hkv, T, D]
+    padding: torch.Tensor | None  # bool [B, T]: True for a token
+    windows: tuple  # per local chunk: (ShardPlan Window, slice of its keys' rows in key/value/padding)
+
+
+def fetch_keys(group, shard, key, value, padding, window):
+    """This rank's keys, values and padding mask for a layer (key/value [B, Hkv, L, D], padding bool
+    [B, L] or None): full attention (window None) gathers the sequence in global order, and each
+    chunk attends over its rows [0, end); a window W fetches gather_halo(W - 1), one segment per
+    chunk (its min(start, W - 1) tokens before it, then the chunk), the chunk's keys."""
+    layout = shard.layout
+
+    def seq(t):  # [B, Hkv, L, D] -> [B, L, Hkv, D], the sequence on dim 1 as the transport takes it
+        return t.transpose(1, 2)
+
     if window is None:
-        key = gather_sequence(key.transpose(1, 2), group).transpose(1, 2)  # [B, Hkv, S, D]
-        value = gather_sequence(value.transpose(1, 2), group).transpose(1, 2)  # [B, Hkv, S, D]
-        padding = None if padding is None else gather_metadata(padding, group)  # [B, S]
-        return key, value, padding, 0
-    start = _group.rank(group) * L  # this rank's first token
-    first_key = start - min(start, window - 1)
-    key = gather_halo(key.transpose(1, 2), group, window - 1).transpose(1, 2)  # [B, Hkv, h+L, D]
-    value = gather_halo(value.transpose(1, 2), group, window - 1).transpose(1, 2)  # [B, Hkv, h+L, D]
-    if padding is not None:
-        padding = gather_halo(padding, group, window - 1, left_padding=first_key)  # [B, (r+1)*L]
-    return key, value, padding, first_key
+        key = seq(gather_sequence(seq(key), group, layout=layout))  # [B, Hkv, S, D]
+        value = seq(gather_sequence(seq(value), group, layout=layout))  # [B, Hkv, S, D]
+        padding = None if padding is None else gather_metadata(padding, group, layout=layout)  # [B, S]
+        return Keys(key, value, padding, tuple((w, w.keys) for w in shard.windows()))
+    key = seq(gather_halo(seq(key), group, window - 1, layout=layout))  # [B, Hkv, sum_k (h_k + C), D]
+    value = seq(gather_halo(seq(value), group, window - 1, layout=layout))
+    padding = None if padding is None else gather_halo(padding, group, window - 1, layout=layout)
+    return Keys(key, value, padding, tuple((w, w.segment) for w in shard.windows(window - 1)))
 
 
-def attend(module, query, key, value, padding, documents, first_key, window, start=None, **kwargs):
-    """The math for queries start .. start + L - 1 (default: r*L ..) over keys from first_key:
+def attend(module, query, key, value, padding, documents, w, window, **kwargs):
+    """The math for one chunk's queries (global rows w.start ..) over its keys (from w.first_key):
     torch_impl.attention, or the model's own mask and attention functions for a layer marked dense.
 
-    query: [B, H, L, D]; key/value: [B, Hkv, T, D] from global row first_key; padding (bool) and
-    documents (int), when given, indexed by global key position. Returns ([B, L, H, D], weights).
+    query: [B, H, C, D]; key/value: [B, Hkv, T, D] and padding (bool [B, T]) for the keys
+    w.first_key .. w.end - 1; documents (int [B, S]) by global row. Returns ([B, C, H, D], weights).
     """
-    plan, (B, _, L, _) = module.context_parallel, query.shape
-    start = _group.rank(plan.group) * L if start is None else start
+    plan, B, C = module.context_parallel, query.shape[0], query.shape[2]
     if plan.dense is None:
         check_fused_kwargs(module, kwargs)
-        rows = slice(first_key, start + L)  # the keys up to this rank's own: [first_key, (r+1)*L)
         out = causal_attention(
             query,
-            key[:, :, : rows.stop - first_key],  # [B, Hkv, T', D]
-            value[:, :, : rows.stop - first_key],  # [B, Hkv, T', D]
-            start,
-            first_key,
+            key,
+            value,
+            w.start,
+            w.first_key,
             window=window,
             scale=kwargs.get("scaling"),
-            documents=None if documents is None else documents[:, rows],  # [B, T']
-            padding=None if padding is None else padding[:, rows],  # [B, T']
-        )  # [B, H, L, D]
+            documents=None if documents is None else documents[:, w.keys],  # [B, T]
+            padding=padding,
+        )  # [B, H, C, D]
         return out.transpose(1, 2).contiguous(), None
     mask_function = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
-    if documents is not None:
+    if documents is not None:  # by global row, as the mask's q_idx and kv_idx
         mask_function = and_masks(mask_function, packed_sequence_mask_function(documents))
+    padding = None if padding is None else F.pad(padding, (w.first_key, 0))  # [B, end]: by global row
     mask = plan.make_mask(
         batch_size=B,
-        q_length=L,
+        q_length=C,
         kv_length=key.shape[2],
-        q_offset=start,
-        kv_offset=first_key,
+        q_offset=w.start,
+        kv_offset=w.first_key,
         mask_function=mask_function,
         attention_mask=padding,
-        allow_is_causal_skip=False,  # sdpa's is_causal would align the queries with keys 0 .. L-1
+        allow_is_causal_skip=False,  # sdpa's is_causal would align the queries with keys 0 .. C-1
         dtype=query.dtype,
         device=query.device,
         config=module.config,
-    )  # [B, 1, L, T]
+    )  # [B, 1, C, T]
     return plan.attend(module, query, key, value, mask, **kwargs)
 
 
@@ -177,47 +185,32 @@ def check_call(module, attention_mask):
 
 def attention(module, query, key, value, attention_mask, **kwargs):
     """The registered implementation: query [B, H, L, D], key/value [B, Hkv, L, D] on rank r ->
-    ([B, L, H, D], weights), equal to the single-process model's rows r*L .. (r+1)*L - 1."""
+    ([B, L, H, D], weights), equal to the single-process model at the rank's global rows. Each of
+    the rank's chunks (one contiguous, two head_tail: ShardPlan) attends over its own keys."""
     if isinstance(attention_mask, IndexedContext):
         return indexed_attention(module, query, key, value, attention_mask, **kwargs)
     check_call(module, attention_mask)
     padding, window = attention_mask
     documents = kwargs.pop(DOCUMENTS, None)  # [B, S] for packed sequences, from ModelInputs
     plan = module.context_parallel
-    if plan.layout != "contiguous":
-        return attend_chunks(module, query, key, value, padding, documents, window, **kwargs)
-    key, value, padding, first_key = fetch_keys(plan.group, key, value, padding, window)
-    return attend(module, query, key, value, padding, documents, first_key, window, **kwargs)
+    n, r = _group.world_size(plan.group), _group.rank(plan.group)
+    keys = fetch_keys(
+        plan.group, ShardPlan.of(plan.layout, n, r, query.shape[2]), key, value, padding, window
+    )
+    return attend_windows(module, query, keys, documents, window, **kwargs)
 
 
-def attend_chunks(module, query, key, value, padding, documents, window, **kwargs):
-    """A layout of several chunks a rank (head_tail): keys, values and the padding mask arrive in
-    that layout (full: gather_sequence / gather_metadata, the global order; a window W:
-    gather_halo(W - 1), one segment per chunk, its window then the chunk), and each chunk's queries
-    attend at their global rows over their own keys. Returns ([B, L, H, D], None)."""
-    plan, L = module.context_parallel, query.shape[2]
-    group, layout = plan.group, plan.layout
-    C = chunk_len(layout, L)
-    if window is None:
-        key = gather_sequence(key.transpose(1, 2), group, layout=layout).transpose(1, 2)  # [B, Hkv, S, D]
-        value = gather_sequence(value.transpose(1, 2), group, layout=layout).transpose(1, 2)
-        padding = None if padding is None else gather_metadata(padding, group, layout=layout)  # [B, S]
-    else:  # one segment per chunk: [B, Hkv, h_k + C, D] each, h_k = min(cC, W - 1)
-        key = gather_halo(key.transpose(1, 2), group, window - 1, layout=layout).transpose(1, 2)
-        value = gather_halo(value.transpose(1, 2), group, window - 1, layout=layout).transpose(1, 2)
-        padding = None if padding is None else gather_halo(padding, group, window - 1, layout=layout)
-    outs, row = [], 0
-    for k, c in enumerate(chunks(layout, _group.world_size(group), _group.rank(group))):
-        start, first_key, keys, values, mask = c * C, 0, key, value, padding  # full: cut at the chunk's end
-        if window is not None:  # this chunk's segment
-            first_key = start - min(start, window - 1)
-            rows = slice(row, row + start - first_key + C)
-            keys, values, row = key[:, :, rows], value[:, :, rows], rows.stop
-            if padding is not None:  # indexed by global key position, as attend takes it (local zeros)
-                mask = torch.cat([padding.new_zeros(padding.shape[0], first_key), padding[:, rows]], dim=1)
-        q = query[:, :, k * C : (k + 1) * C]  # [B, H, C, D]
-        outs.append(attend(module, q, keys, values, mask, documents, first_key, window, start, **kwargs)[0])
-    return torch.cat(outs, dim=1), None  # [B, L, H, D]
+def attend_windows(module, query, keys, documents, window, **kwargs):
+    """Every local chunk's queries over its window of `keys`: ([B, L, H, D], None)."""
+    outs = []
+    for w, rows in keys.windows:
+        padding = None if keys.padding is None else keys.padding[:, rows]  # [B, T]
+        out, weights = attend(
+            module, query[:, :, w.queries], keys.key[:, :, rows], keys.value[:, :, rows], padding, documents,
+            w, window, **kwargs
+        )  # fmt: skip
+        outs.append(out)  # [B, C, H, D]
+    return (outs[0], weights) if len(outs) == 1 else (torch.cat(outs, dim=1), None)  # [B, L, H, D]
 
 
 AttentionInterface.register(IMPLEMENTATION, attention)

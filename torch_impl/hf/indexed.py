@@ -10,7 +10,7 @@ import torch
 from torch_impl import _group
 from torch_impl.attention import sparse_mla_attention
 from torch_impl.halo import gather_halo
-from torch_impl.layout import global_rows
+from torch_impl.layout import ShardPlan
 from torch_impl.sequence import gather_sequence
 
 
@@ -25,10 +25,10 @@ class IndexedContext:
     """
 
     def __init__(self, group, local_len, padding, documents, layout="contiguous"):
-        n, r = _group.world_size(group), _group.rank(group)
+        self.shard = ShardPlan.of(layout, _group.world_size(group), _group.rank(group), local_len)
         self.group, self.local_len, self.layout = group, local_len, layout
-        self.rows = global_rows(layout, n, r, local_len)  # int64 [L]: the queries' global rows
-        self.end = int(self.rows.max()) + 1  # keys 0 .. end - 1: the causal prefix of them all
+        self.rows = self.shard.rows()  # int64 [L]: the queries' global rows
+        self.end = self.shard.end  # keys 0 .. end - 1: the causal prefix of them all
         self.padding, self.documents = padding, documents  # bool / int [B, S] by global position, or None
 
     def __getitem__(self, index):

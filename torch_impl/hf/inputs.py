@@ -11,8 +11,8 @@ from transformers.masking_utils import find_packed_sequence_indices
 from torch_impl import _group, validation
 from torch_impl.hf._common import DOCUMENTS, IMPLEMENTATION, INDEXED, Arguments
 from torch_impl.hf.indexed import IndexedContext
+from torch_impl.layout import ShardPlan
 from torch_impl.layout import check as check_layout
-from torch_impl.layout import global_rows
 from torch_impl.metadata import gather_metadata
 
 IGNORE_INDEX = -100
@@ -22,7 +22,7 @@ LAYOUT = "cp_layout"  # the kwarg by which shard_batch names a layout other than
 
 def global_positions(group, local_len, device, layout="contiguous"):
     """[1, L]: the global positions of this rank's tokens (contiguous: r*L .. (r+1)*L - 1)."""
-    return global_rows(layout, _group.world_size(group), _group.rank(group), local_len, device)[None]
+    return ShardPlan.of(layout, _group.world_size(group), _group.rank(group), local_len).rows(device)[None]
 
 
 class ModelInputs:
@@ -175,7 +175,7 @@ def shard_batch(batch, group, *, layout="contiguous"):
             f"(CP size n={n}: 2n chunks)"
         )
     L = S // n
-    rows = global_rows(layout, n, r, L, batch["input_ids"].device)  # [L]
+    rows = ShardPlan.of(layout, n, r, L).rows(batch["input_ids"].device)  # [L]
     local = {key: value[:, rows] for key, value in batch.items()}  # [B, L] each
     local["use_cache"] = False
     if "labels" in batch:

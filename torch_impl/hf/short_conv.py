@@ -3,8 +3,9 @@
 import torch
 
 from torch_impl import _group
-from torch_impl.halo import gather_halo, window_lens
+from torch_impl.halo import gather_halo
 from torch_impl.hf._common import Arguments
+from torch_impl.layout import ShardPlan
 
 
 class ShortConvHalo:
@@ -19,14 +20,14 @@ class ShortConvHalo:
 
     def __init__(self, module, group, layout="contiguous"):
         self.group, self.halo_size, self.layout = group, module.conv.kernel_size[0] - 1, layout
-        self.arguments, self.lens = Arguments(module.forward), []
+        self.arguments, self.windows = Arguments(module.forward), ()
 
     def before(self, module, args, kwargs):
         x = self.arguments.get(args, kwargs, "hidden_states")  # [B, L, D]
         mask = self.arguments.get(args, kwargs, "attention_mask")  # [B, L] or None
         mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if mask is None else mask.bool()
         n, r = _group.world_size(self.group), _group.rank(self.group)
-        self.lens = window_lens(self.layout, n, r, x.shape[1], self.halo_size)
+        self.windows = ShardPlan.of(self.layout, n, r, x.shape[1]).windows(self.halo_size)
         return self.arguments.replace(
             args,
             kwargs,
@@ -35,9 +36,5 @@ class ShortConvHalo:
         )
 
     def after(self, module, args, kwargs, output):
-        C = (output.shape[1] - sum(self.lens)) // len(self.lens)
-        kept, row = [], 0
-        for h in self.lens:
-            kept.append(output[:, row + h : row + h + C])  # [B, C, D]
-            row += h + C
+        kept = [output[:, w.own] for w in self.windows]  # [B, C, D] each: the chunks' own rows
         return kept[0] if len(kept) == 1 else torch.cat(kept, dim=1)  # [B, L, D]
