@@ -31,7 +31,7 @@ Per configuration and variant, interleaving variants within each repetition:
                     Limits: it counts everything the process touches, gloo's internal buffers
                     included (which is the point), at page granularity; it is CPU memory only
   recv / min        bytes received per rank in one forward+backward, counted at the c10d calls
-                    (torch_impl.traffic.PayloadCounter), and the analytic minimum
+                    (cp_support.traffic.PayloadCounter), and the analytic minimum
   wire              bytes the rank's TCP sockets received (gloo's algorithm and headers included)
   calls             c10d calls per forward+backward
 
@@ -58,11 +58,12 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.distributed.nn.functional as dist_nn
 
-from examples.launch import run_ranks
-from examples.memory import peak_mib, reset_peak
+from cp_support.launch import RANK_ENV, run_ranks
+from cp_support.memory import peak_mib, reset_peak
+from cp_support.traffic import PayloadCounter, wire_bytes
 from torch_impl import gather_halo, gather_sequence, halo_plan
 from torch_impl.halo import halo_all_to_all, start_exchange
-from torch_impl.traffic import PayloadCounter, wire_bytes
+from torch_impl.layout import ShardPlan
 
 # --- the baselines ----------------------------------------------------------------------------
 
@@ -85,9 +86,9 @@ def dtensor_gather(x, group):
 
 
 def full_then_slice(x, group, halo_size):
-    own_start = dist.get_rank(group) * x.shape[1]  # global position of this rank's first token
-    start = own_start - min(own_start, halo_size)
-    return list_cat(x, group)[:, start : own_start + x.shape[1]]  # [B, h + L, D]
+    n, r, L = dist.get_world_size(group), dist.get_rank(group), x.shape[1]
+    (window,) = ShardPlan.of("contiguous", n, r, L).windows(halo_size)
+    return list_cat(x, group)[:, window.keys]  # [B, h + L, D]
 
 
 class _NeighbourRing(torch.autograd.Function):
@@ -243,14 +244,6 @@ def warm_up_and_check(variants, cotangents, x):
             raise AssertionError(f"{name} disagrees with torch_impl")
 
 
-# glibc serves and returns large blocks by mmap, so freed tensors leave the resident set at once;
-# PyTorch's CPU allocator asks for transparent huge pages
-RANK_ENV = {
-    "MALLOC_MMAP_THRESHOLD_": "131072",
-    "MALLOC_TRIM_THRESHOLD_": "131072",
-    "OMP_NUM_THREADS": "1",
-    "THP_MEM_ALLOC_ENABLE": "1",
-}
 COMPILED = {"compiled"}  # variants whose bytes only the TCP counter sees
 
 
@@ -327,7 +320,7 @@ def layer_rank(rank, world, cfg, reps):
     """examples.train's Gemma 3 made CP by torch_impl.hf; for a sliding-window and a global decoder
     layer, one forward+backward eager and compiled (inductor, fullgraph=True): per rep, the
     slowest rank's time."""
-    from examples.train import VOCAB, build_model
+    from cp_support.models import VOCAB, build_model
     from torch_impl import hf
 
     torch.set_num_threads(1)

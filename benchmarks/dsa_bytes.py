@@ -21,24 +21,13 @@ import argparse
 
 import torch
 
-
-def per_layer(config, n, L, r, item, indexer=True):
-    """{(transport, direction): bytes} rank r receives for one indexed_attention layer."""
-    latent = config.kv_lora_rank + config.qk_rope_head_dim
-    index = config.index_head_dim if indexer else 0  # GLM-5's shared layers have no indexer
-    heads = config.num_attention_heads
-    expanded = heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
-    return {
-        ("torch_impl", "forward"): r * L * (latent + index) * item,
-        ("torch_impl", "backward"): (n - 1 - r) * L * latent * item,
-        ("allgather", "forward"): ((n - 1) * L * expanded + r * L * index) * item,
-        ("allgather", "backward"): (n - 1) * L * expanded * item,
-    }
+from cp_support.minima import indexed_layer_bytes
 
 
 def coverage(seq_len, n, topk):
     """{(layer, rank): the share of rank r's r*L earlier tokens that its queries select}."""
-    from examples.train import Corpus, build_model
+    from cp_support.corpus import Corpus
+    from cp_support.models import build_model
 
     model = build_model("deepseek_v32", seq_len, topk, torch.float32)
     model.eval()
@@ -80,7 +69,7 @@ def main(argv=None):
     print(f"{header}{'all-gather K/V':>16}{'ratio':>8}")
     rows = []
     for name, config in (("DeepSeek V3.2", tf.DeepseekV32Config()), ("GLM-5", tf.GlmMoeDsaConfig())):
-        per_rank = [per_layer(config, n, L, r, item) for r in range(n)]
+        per_rank = [indexed_layer_bytes(config, n, L, r, item) for r in range(n)]
         latent = config.kv_lora_rank + config.qk_rope_head_dim
         expanded = config.num_attention_heads * (
             config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim

@@ -16,8 +16,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from examples.launch import run_ranks
-from examples.train import build_model
+from cp_support.launch import run_ranks
+from cp_support.models import build_model
 from torch_impl import hf, validation
 
 

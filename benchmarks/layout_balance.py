@@ -4,7 +4,7 @@
 
 A CP step lasts as long as its slowest rank. Each rank r of n is played, one at a time, through
 torch's fake process group (real buffers and kernels, no data moved), each (model, layout, rank) in
-a fresh process with one thread (cp_bench.RANK_ENV), the median of `--reps` forward+backward steps
+a fresh process with one thread (cp_support.launch.RANK_ENV), the median of `--reps` forward+backward steps
 after a warm-up. Models, float32, activation checkpointing:
 
   llama   all-global: Llama, 4 full-attention layers, hidden 256, 4 heads, 1 KV head of 64
@@ -74,7 +74,7 @@ def child(args):
 
 
 def run(args):
-    from benchmarks.cp_bench import RANK_ENV
+    from cp_support.launch import RANK_ENV
 
     rows = []
     for model in args.models.split(","):

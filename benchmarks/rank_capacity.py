@@ -17,10 +17,10 @@ picking `--topk` keys per query; variants alone, torch_impl and allgather). Per 
   torch_impl  torch_impl.hf: halos and gathers, then torch_impl.attention (no [L, T] mask)
   dense       torch_impl.hf's transport with the dense [L, T] masks of the model's own sdpa
               (what torch_impl.hf did before torch_impl.attention; the fallback path)
-  allgather   examples/allgather.py: every attention layer all-gathers K and V (same math)
+  allgather   cp_support/allgather.py: every attention layer all-gathers K and V (same math)
 
 CPU: each (variant, L) in a fresh process, peak resident set above the resident set after a
-warm-up step (glibc returning freed blocks at once, as make bench's ranks: cp_bench.RANK_ENV), and
+warm-up step (glibc returning freed blocks at once, as make bench's ranks: cp_support.launch.RANK_ENV), and
 the median time of `--reps` steps. CUDA (when present): in this process, `max_memory_allocated`
 above weights and gradients, and also the largest L each variant fits (doubling until out of memory).
 Writes JSON (`out/rank_capacity.json`) and a figure (`out/rank_capacity.png`: peak memory against
@@ -28,7 +28,6 @@ tokens per rank); prints a table with the ratios to `alone`.
 """
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -39,7 +38,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from examples.memory import peak_mib, reset_peak
+from cp_support.memory import peak_mib, reset_peak
 
 VARIANTS = ("alone", "torch_impl", "dense", "allgather")
 
@@ -102,7 +101,7 @@ def prepare(variant, args, L, device):
     """The model and this rank's kwargs for one variant, the fake group set up for CP variants."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from examples import allgather
+    from cp_support import allgather
     from torch_impl import hf
 
     dtype = getattr(torch, args.dtype)
@@ -116,13 +115,10 @@ def prepare(variant, args, L, device):
     if variant == "alone":
         ids = torch.randint(0, args.vocab, (1, L), generator=gen).to(device)
         return model, {"input_ids": ids, "labels": ids, "use_cache": False}
-    hf.parallelize(model, dist.group.WORLD)
+    # dense: the fallback path, the model's own sdpa on a dense [L, T] mask
+    hf.parallelize(model, dist.group.WORLD, dense=variant == "dense")
     if variant == "allgather":
         model.set_attn_implementation(allgather.IMPLEMENTATION)
-    if variant == "dense":  # the fallback path: the model's own sdpa on a dense [L, T] mask
-        for module in model.modules():
-            if isinstance(getattr(module, "context_parallel", None), hf.AttentionPlan):
-                module.context_parallel = dataclasses.replace(module.context_parallel, dense="benchmark")
     ids = torch.randint(0, args.vocab, (1, args.n * L), generator=gen).to(device)
     return model, hf.shard_batch({"input_ids": ids, "labels": ids}, dist.group.WORLD)
 
@@ -162,7 +158,7 @@ def child(args):
 
 
 def run_cpu(args, lens):
-    from benchmarks.cp_bench import RANK_ENV
+    from cp_support.launch import RANK_ENV
 
     rows = []
     for L in lens:

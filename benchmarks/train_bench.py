@@ -14,7 +14,7 @@ per-head K and V (both gather the indexer's keys alike). Both use torch_impl.att
 jobs alternate (baseline, library,
 baseline, library, ...) so that drift of this shared machine hits both alike.
 
-The ranks run with make bench's environment (cp_bench.RANK_ENV: one thread, glibc returning freed
+The ranks run with make bench's environment (cp_support.launch.RANK_ENV: one thread, glibc returning freed
 blocks at once, transparent huge pages). Per job, from its metrics file: the median step time after
 the first step, the peak resident memory of the training steps (the largest over ranks), and the
 bytes a rank receives per step through the transport (counted at the c10d calls before training,
@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.cp_bench import RANK_ENV
+from cp_support.launch import RANK_ENV
 
 TRANSPORTS = ("allgather", "torch_impl")
 

@@ -18,9 +18,9 @@ import time
 
 import torch
 
+from cp_support.launch import run_ranks
+from cp_support.traffic import PayloadCounter
 from examples import hybrid_block as hb
-from examples.launch import run_ranks
-from torch_impl.traffic import PayloadCounter
 
 TOLERANCE = {"float32": 1e-5, "float64": 1e-12}
 LAYERS = ["causal_conv", "sliding_window_attention", "full_attention"]

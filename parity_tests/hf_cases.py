@@ -6,22 +6,25 @@ import torch
 import torch.distributed as dist
 from transformers import DynamicCache
 
+from cp_support.traffic import PayloadCounter, tag_layers
 from parity_tests import hf_models
 import torch_impl
 from torch_impl import hf
 from torch_impl.hf import attention as hf_attention
 from torch_impl.hf.indexed import BlockedIndexer
-from torch_impl.traffic import PayloadCounter, tag_layers
 
 
-def cp_step(group, name, dtype, state, batch, mode="eval", layout="contiguous", query_block=None):
+def cp_step(
+    group, name, dtype, state, batch, mode="eval", layout="contiguous", query_block=None, dense=False
+):
     """One forward and backward of the CP model on this rank's shard.
 
     mode: "eval"; "train" (model.train()); "train_ac" (train + transformers' activation
     checkpointing); "train_ac_saved" (train, checkpointing with hf.checkpoint_kwargs());
     "train_ac_compiled" (that, and every decoder layer compiled by inductor with fullgraph=True).
     layout: the sequence layout given to parallelize and shard_batch. query_block: the indexer's
-    query rows a block (DeepSeek Sparse Attention; default BlockedIndexer's). Returns logits, loss, every
+    query rows a block (DeepSeek Sparse Attention; default BlockedIndexer's). dense: parallelize's
+    option (every attention layer on the model's own math). Returns logits, loss, every
     parameter's grad (this rank's partial sum), which math each
     attention layer took (`paths`: None for torch_impl.attention, else why it kept the dense mask)
     and how many calls reached torch_impl.attention, and in eval mode the bytes received per
@@ -32,7 +35,7 @@ def cp_step(group, name, dtype, state, batch, mode="eval", layout="contiguous", 
     model.train(mode != "eval")
     if mode == "train_ac":
         model.activation_checkpointing_enable()
-    hf.parallelize(model, group, layout=layout)
+    hf.parallelize(model, group, layout=layout, dense=dense)
     for module in model.modules():
         if query_block is not None and isinstance(module, BlockedIndexer):
             module.query_block = query_block

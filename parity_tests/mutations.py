@@ -45,14 +45,14 @@ MUTATIONS = [
     ),
     Mutation(  # every DP test once had dp = cp
         "dp_size_from_the_cp_dimension",
-        "torch_impl/data_parallel.py",
+        "torch_impl/hf/data_parallel.py",
         'return mesh[dp_dim, cp_dim]._flatten(f"{dp_dim}_{cp_dim}"), mesh[dp_dim].size()',
         'return mesh[dp_dim, cp_dim]._flatten(f"{dp_dim}_{cp_dim}"), mesh[cp_dim].size()',
         ("parity_tests/test_hf.py", "-k", "data_parallel_gradients"),
     ),
     Mutation(  # apply_ddp(global_num_items=True) was never called
         "apply_ddp_drops_global_num_items",
-        "torch_impl/data_parallel.py",
+        "torch_impl/hf/data_parallel.py",
         "global_num_items=global_num_items, dp_dim=dp_dim, cp_dim=cp_dim)\n    ddp = ",
         "dp_dim=dp_dim, cp_dim=cp_dim)\n    ddp = ",
         ("parity_tests/test_hf.py", "-k", "data_parallel_gradients and ddp"),

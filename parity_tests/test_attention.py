@@ -105,7 +105,7 @@ def make_inputs(L, h, B, H, Hkv, documents, padding, seed=0, dtype=torch.float64
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    monkeypatch.setattr(attention, "BLOCK", {"global": 7, "window": 5, "masked": 6})
+    monkeypatch.setattr(attention.tiles, "BLOCK", {"global": 7, "window": 5, "masked": 6})
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from examples import demo
 from examples import hybrid_block as hb
 from parity_tests import bounds, torch_cases
-from parity_tests.workers import layout_ranks
+from parity_tests.workers import group_ranks
 
 
 def naive_block(block, x, positions, valid):
@@ -32,7 +32,7 @@ def test_single_process_block_is_the_naive_block():
 
 
 @pytest.mark.parametrize(
-    "layout,window,batch",
+    "grouping,window,batch",
     [
         (("block", 2), 5, 1),  # the window within one earlier shard (L = 12)
         (("block", 4), 5, 2),
@@ -41,11 +41,11 @@ def test_single_process_block_is_the_naive_block():
     ],
     ids=str,
 )
-def test_cp_block_equals_single_process_block(pool, layout, window, batch):
-    n = len(layout_ranks(layout)[0])
+def test_cp_block_equals_single_process_block(pool, grouping, window, batch):
+    n = len(group_ranks(grouping)[0])
     config = {"dim": 16, "heads": 2, "kernel": 4, "window": window, "dtype": "float32"}
     seq_len, pad = 24, 3
-    results = pool.run(layout, torch_cases.hybrid_block, config, batch, seq_len, pad)
+    results = pool.run(grouping, torch_cases.hybrid_block, config, batch, seq_len, pad)
 
     block = hb.make_block(16, 2, 4, window, torch.float32)
     x, cotangent, positions, valid = hb.make_inputs(batch, seq_len, 16, pad, torch.float32)

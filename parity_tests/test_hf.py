@@ -4,7 +4,7 @@ Every model is tiny, random and built from a config (parity_tests.hf_models); th
 S = 24 tokens, row 1 right-padded by 5 tokens (labels -100 there). On n ranks, rank r holds the
 tokens [r*L, (r+1)*L), L = 24/n, and must give the single-process logits of those rows at every
 non-padding position; the ranks' losses add up to the single-process loss and their parameter
-gradients add up to its gradients. Every group of the layout is checked, every rank of each.
+gradients add up to its gradients. Every group of the grouping is checked, every rank of each.
 
 Bounds (parity_tests.bounds: c rounding steps of unit roundoff u at a scale): the CP ranks and one
 process compute the same function in another order, so they differ only where a rounding step sees
@@ -33,7 +33,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks import dsa_bytes
+from cp_support.minima import indexed_layer_bytes
 from parity_tests import bounds, expected, hf_cases, hf_models
 from torch_impl import hf
 
@@ -184,6 +184,18 @@ def test_compiled_layers_with_activation_checkpointing(pool):
     assert_matches_reference(group_results, ref)  # inductor: see below
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "head_tail"])
+def test_the_dense_option_keeps_the_models_own_math(pool, layout):
+    """parallelize(dense=True): every attention layer on the model's own sdpa over a dense mask (the
+    fallback path, for comparison), equal to one process too."""
+    ref = reference("mistral", "float64", left=True)
+    args = ("mistral", "float64", ref.state, ref.batch, "eval", layout, None, True)
+    for group_results in pool.run(("first", 2), hf_cases.cp_step, *args):
+        assert_matches_reference(group_results, ref, layout=layout)
+        for res in group_results:
+            assert res["paths"] == ["parallelize(dense=True)"] * 2 and res["fused_calls"] == 0
+
+
 # --- DeepSeek Sparse Attention ---------------------------------------------------------------
 
 
@@ -193,7 +205,7 @@ def test_indexed_attention_equals_one_process_float64(pool, name, n):
     """DeepSeek V3.2 and GLM-5 (layer 1 reusing layer 0's top-k): the indexer picks 5 of up to 24
     keys, batch 2 with a right-padded row; the CP ranks' logits, loss and gradients equal one
     process's (the indexer's parameters get none in either). One group of ranks (every group of
-    the layout runs in the tests above)."""
+    the grouping runs in the tests above)."""
     ref = reference(name, "float64")
     config = hf_models.build(name).config
     L, B = hf_models.SEQ_LEN // n, 2
@@ -203,7 +215,7 @@ def test_indexed_attention_equals_one_process_float64(pool, name, n):
             wanted = {("forward", "inputs", "mask"): B * (n - 1) * L}  # the padding mask, once
             wanted[("forward", "inputs", "int64")] = check_bytes(n)
             for i, kind in enumerate(getattr(config, "indexer_types", None) or ["full"] * 2):
-                per_row = dsa_bytes.per_layer(config, n, L, r, 8, indexer=kind == "full")
+                per_row = indexed_layer_bytes(config, n, L, r, 8, indexer=kind == "full")
                 for direction in ("forward", "backward"):
                     wanted[(direction, i, "float64")] = B * per_row[("torch_impl", direction)]
             assert {k: v for k, v in res["received"].items() if v} == {k: v for k, v in wanted.items() if v}
@@ -597,7 +609,7 @@ def test_the_core_imports_without_the_optional_extras():
         "        if name.split('.')[0] in ('transformers', 'jax'):\n"
         "            raise ImportError(f'{name} is not installed')\n"
         "sys.meta_path.insert(0, Absent())\n"
-        "import torch_impl, torch_impl.traffic\n"
+        "import torch_impl, torch_impl.attention, torch_impl.layout\n"
         "torch_impl.gather_sequence\n"
         "try:\n"
         "    import torch_impl.hf\n"

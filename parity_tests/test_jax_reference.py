@@ -14,7 +14,7 @@ from parity_tests import expected, jax_harness
 
 L = 3
 WORLDS = [1, 2, 3, 4, 8]
-LAYOUTS = [(1, ()), (2, (3,))]  # (batch, trailing dims)
+SHAPES = [(1, ()), (2, (3,))]  # (batch, trailing dims)
 
 
 def halo_sizes(n):
@@ -25,7 +25,7 @@ def cases():
     for n in WORLDS:
         for halo_size in halo_sizes(n):
             for left_padding in (0, 2):
-                for batch, trailing in LAYOUTS:
+                for batch, trailing in SHAPES:
                     yield n, halo_size, left_padding, batch, trailing
 
 
@@ -56,7 +56,7 @@ def test_gather_halo_forward_and_vjp(n, halo_size, left_padding, batch, trailing
 
 
 @pytest.mark.parametrize("n", WORLDS)
-@pytest.mark.parametrize("batch,trailing", LAYOUTS)
+@pytest.mark.parametrize("batch,trailing", SHAPES)
 def test_gather_sequence_forward_and_vjp(n, batch, trailing):
     x = expected.stamped((batch, n * L, *trailing), np.float32)
     cotangent = expected.small_ints(np.random.default_rng(n), (n, batch, n * L, *trailing), np.float32)

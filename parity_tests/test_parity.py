@@ -1,7 +1,7 @@
 """torch_impl against jax_reference, forward and backward, on simulated CPU clusters.
 
 One global input is made on the host and split into n shards (rank r: tokens [r*L, (r+1)*L)); the
-torch side runs on gloo ranks of a CP group (every group of a layout of the 8-rank pool: consecutive
+torch side runs on gloo ranks of a CP group (every group of a grouping of the 8-rank pool: consecutive
 ranks, or strided ones), the JAX side under `jax.shard_map` on n host devices. Rank r's torch
 `gather_halo` output must equal the last positions of device r's static-shape JAX output, whose
 positions before them must be zero.
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from parity_tests import expected, jax_harness, torch_cases
-from parity_tests.workers import layout_ranks
+from parity_tests.workers import group_ranks
 
 DTYPES = ["float32", "float64", "bfloat16", "float16"]
 UNIT_ROUNDOFF = {"float32": 2.0**-24, "float64": 2.0**-53, "bfloat16": 2.0**-8, "float16": 2.0**-11}
@@ -60,8 +60,8 @@ def make_cotangent(kind, shape, dtype, rng):
     return round_to(rng.standard_normal(shape), dtype)
 
 
-def layout_for(n, variant):
-    """A CP layout of the 8-rank pool: consecutive ranks, or (variant odd) strided ones."""
+def grouping_for(n, variant):
+    """A CP grouping of the 8-rank pool: consecutive ranks, or (variant odd) strided ones."""
     if variant % 2 and n in (2, 4):
         return ("strided", n)
     return ("block", n)
@@ -87,10 +87,10 @@ def halo_sizes(n, L):
 
 
 def check_halo(
-    pool, layout, L, batch, trailing, dtype, kind, combos, seed, transport="torch_impl.gather_halo"
+    pool, grouping, L, batch, trailing, dtype, kind, combos, seed, transport="torch_impl.gather_halo"
 ):
     """Compare torch and JAX gather_halo for each (halo_size, left_padding) in combos; returns the count."""
-    n = len(layout_ranks(layout)[0])
+    n = len(group_ranks(grouping)[0])
     rng = np.random.default_rng(seed)
     x = make_data(kind, (batch, n * L, *trailing), dtype, rng)
     static_lens = [lp + min(h, (n - 1) * L) + L for h, lp in combos]
@@ -116,7 +116,7 @@ def check_halo(
                 "noncontiguous": (h + lp) % 2 == 1,
             }
         )
-    results = pool.run(layout, torch_cases.halo, configs, transport)
+    results = pool.run(grouping, torch_cases.halo, configs, transport)
 
     for i, ((h, lp), c) in enumerate(zip(combos, configs, strict=True)):
         abs_sum = expected.halo_backward([abs(ct) for ct in c["cotangents"]], n, L, h, lp, np.float64)
@@ -139,33 +139,33 @@ def check_halo(
 
 def halo_matrix():
     """Every (n, L); all halo sizes and paddings of one (n, L) in one case. Batch, trailing dims, dtype
-    and layout rotate so that each n sees every dtype and each dtype every trailing shape."""
+    and grouping rotate so that each n sees every dtype and each dtype every trailing shape."""
     for i, n in enumerate(WORLDS):
         for j, L in enumerate(LOCAL_LENS):
-            yield n, L, 1 + (i + j) % 2, TRAILING[(i + 2 * j) % 3], DTYPES[j], layout_for(n, j)
+            yield n, L, 1 + (i + j) % 2, TRAILING[(i + 2 * j) % 3], DTYPES[j], grouping_for(n, j)
 
 
 @pytest.mark.parametrize("transport", HALO_PATHS)
 @pytest.mark.parametrize("kind", DATA)
-@pytest.mark.parametrize("n,L,batch,trailing,dtype,layout", list(halo_matrix()), ids=str)
-def test_gather_halo_parity(pool, n, L, batch, trailing, dtype, layout, kind, transport):
+@pytest.mark.parametrize("n,L,batch,trailing,dtype,grouping", list(halo_matrix()), ids=str)
+def test_gather_halo_parity(pool, n, L, batch, trailing, dtype, grouping, kind, transport):
     combos = [(h, lp) for h in halo_sizes(n, L) for lp in (0, 1, 3)]
-    check_halo(pool, layout, L, batch, trailing, dtype, kind, combos, seed=n * 100 + L, transport=transport)
+    check_halo(pool, grouping, L, batch, trailing, dtype, kind, combos, seed=n * 100 + L, transport=transport)
 
 
 # --- gather_sequence and gather_metadata ------------------------------------------------------
 
 
 def check_sequence(
-    pool, layout, L, batch, trailing, dtype, kind, seed, transport="torch_impl.gather_sequence"
+    pool, grouping, L, batch, trailing, dtype, kind, seed, transport="torch_impl.gather_sequence"
 ):
-    n = len(layout_ranks(layout)[0])
+    n = len(group_ranks(grouping)[0])
     rng = np.random.default_rng(seed)
     x = make_data(kind, (batch, n * L, *trailing), dtype, rng)
     ct = make_cotangent(kind, (n, batch, n * L, *trailing), dtype, rng)
     y, grad = jax_harness.run("gather_sequence", jax_array(x, dtype), n, jax_array(ct, dtype))
     config = {"x": x, "cotangents": list(ct), "dtype": dtype, "noncontiguous": seed % 2 == 1}
-    results = pool.run(layout, torch_cases.sequence, [config], transport)
+    results = pool.run(grouping, torch_cases.sequence, [config], transport)
     abs_sum = expected.sequence_backward([abs(c) for c in ct])
     for g, group_results in enumerate(results):
         for r, (res,) in enumerate(group_results):
@@ -183,7 +183,7 @@ def check_sequence(
 def test_gather_sequence_parity(pool, n, dtype, kind):
     for j, L in enumerate(LOCAL_LENS):
         trailing, batch = TRAILING[j % 3], 1 + j % 2
-        check_sequence(pool, layout_for(n, j), L, batch, trailing, dtype, kind, seed=n * 10 + j)
+        check_sequence(pool, grouping_for(n, j), L, batch, trailing, dtype, kind, seed=n * 10 + j)
 
 
 @pytest.mark.parametrize("n", WORLDS)
@@ -195,7 +195,7 @@ def test_gather_metadata_parity(pool, n):
     projection = round_to(np.random.default_rng(n).standard_normal((2, n * L, 2, 3)), "float32")
     inputs = [(positions, "int64"), (mask, "bool"), (projection, "float32")]
     results = pool.run(
-        layout_for(n, n),
+        grouping_for(n, n),
         torch_cases.metadata,
         [{"x": a, "dtype": d, "noncontiguous": d == "bool"} for a, d in inputs],
     )
@@ -272,7 +272,7 @@ def check_head_tail_halo(pool, n, C, batch, trailing, dtype, kind, transport):
                 "noncontiguous": h % 2 == 1,
             }
         )
-    results = pool.run(layout_for(n, C), torch_cases.halo, configs, transport)
+    results = pool.run(grouping_for(n, C), torch_cases.halo, configs, transport)
     for i, ((h, lp), static, c) in enumerate(zip(combos, statics, configs, strict=True)):
         visible = [np.abs(a) for a in c["cotangents"]]
         abs_sum = expected.layout_halo_backward(visible, n, L, h, lp, layout, np.float64)
@@ -311,8 +311,8 @@ def test_head_tail_sequence_and_metadata_parity(pool, n, C, batch, trailing, dty
     config = {"x": x, "cotangents": list(ct), "dtype": dtype, "layout": layout, "noncontiguous": C % 2 == 1}
     positions = expected.device_order(np.broadcast_to(np.arange(n * L), (batch, n * L)), n, layout)
     meta = {"x": positions, "dtype": "int64", "layout": layout}
-    seqs = pool.run(layout_for(n, C), torch_cases.sequence, [config])
-    metas = pool.run(layout_for(n, C), torch_cases.metadata, [meta])
+    seqs = pool.run(grouping_for(n, C), torch_cases.sequence, [config])
+    metas = pool.run(grouping_for(n, C), torch_cases.metadata, [meta])
     abs_sum = expected.device_order(np.abs(ct).sum(0), n, layout)
     for g, (seq, met) in enumerate(zip(seqs, metas, strict=True)):
         for r in range(n):
@@ -351,9 +351,9 @@ def test_random_configurations(
     pool, n, batch, L, trailing, dtype, kind, halo_fraction, left_padding, variant
 ):
     halo_size = int(halo_fraction * n * L)
-    layout = layout_for(n, variant)
-    check_halo(pool, layout, L, batch, trailing, dtype, kind, [(halo_size, left_padding)], seed=halo_size)
-    check_sequence(pool, layout, L, batch, trailing, dtype, kind, seed=left_padding)
+    grouping = grouping_for(n, variant)
+    check_halo(pool, grouping, L, batch, trailing, dtype, kind, [(halo_size, left_padding)], seed=halo_size)
+    check_sequence(pool, grouping, L, batch, trailing, dtype, kind, seed=left_padding)
 
 
 # --- the suite can fail -----------------------------------------------------------------------
@@ -371,9 +371,9 @@ MUTANTS = [
 @pytest.mark.parametrize("function,transport,kind", MUTANTS)
 def test_self_check_catches_wrong_transports(pool, function, transport, kind):
     """Each deliberately wrong transport fails the comparison that the parity tests use."""
-    layout, L = ("block", 4), 3
+    grouping, L = ("block", 4), 3
     with pytest.raises(AssertionError):
         if function == "halo":
-            check_halo(pool, layout, L, 1, (2,), "float32", kind, [(4, 1)], seed=0, transport=transport)
+            check_halo(pool, grouping, L, 1, (2,), "float32", kind, [(4, 1)], seed=0, transport=transport)
         else:
-            check_sequence(pool, layout, L, 1, (2,), "float32", kind, seed=0, transport=transport)
+            check_sequence(pool, grouping, L, 1, (2,), "float32", kind, seed=0, transport=transport)

@@ -6,18 +6,14 @@ is 0.5 apart); here every one must print EQUAL. Every launch has a time limit.
 """
 
 import re
-import subprocess
 
 import pytest
 
-from parity_tests import bounds
-from parity_tests.test_train import TORCHRUN, finish
+from parity_tests import bounds, jobs
 
 
 def launch(module, nproc, *args):
-    command = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), "-m", f"examples.recipes.{module}"]
-    proc = subprocess.Popen([*command, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return finish(proc, timeout=180)
+    return jobs.finish(jobs.torchrun(f"examples.recipes.{module}", args, nproc), timeout=180)
 
 
 @pytest.mark.parametrize(

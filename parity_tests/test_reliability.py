@@ -9,7 +9,7 @@ import tempfile
 import numpy as np
 import pytest
 
-from examples.launch import run_ranks
+from cp_support.launch import run_ranks
 from parity_tests import expected, reliability_cases
 from torch_impl import validation
 

@@ -3,7 +3,7 @@
 Global sequences of n * 3 tokens: rank r of a CP group holds tokens [3r, 3r + 3). Data is
 integer-valued (token-stamped inputs, small-integer cotangents), so every output and gradient is
 exact in every float dtype and a token or gradient sent to the wrong place cannot pass. Every rank's
-results are checked, for every group of a layout (groups whose ranks are not the global ranks too).
+results are checked, for every group of a grouping (groups whose ranks are not the global ranks too).
 """
 
 import math
@@ -14,18 +14,18 @@ import pytest
 import torch
 
 from parity_tests import expected, torch_cases
-from parity_tests.workers import layout_ranks
+from parity_tests.workers import group_ranks
 import torch_impl
 from torch_impl.layout import ShardPlan
 
 L = 3
 FLOATS = ["float32", "float64", "bfloat16", "float16"]
-LAYOUTS = [("block", 1), ("block", 2), ("block", 3), ("block", 4), ("strided4", 2)]
+GROUPINGS = [("block", 1), ("block", 2), ("block", 3), ("block", 4), ("strided4", 2)]
 SHAPES = [(1, ()), (2, (2,))]  # (batch, trailing dims)
 
 
-def group_size(layout):
-    return len(layout_ranks(layout)[0])
+def group_size(grouping):
+    return len(group_ranks(grouping)[0])
 
 
 def as_numpy(t):
@@ -103,9 +103,9 @@ def check_rank_results(results, want_y, want_grad, dtype):
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
-def test_gather_halo_exact(pool, layout, dtype):
-    n = group_size(layout)
+@pytest.mark.parametrize("grouping", GROUPINGS, ids=str)
+def test_gather_halo_exact(pool, grouping, dtype):
+    n = group_size(grouping)
     configs = []
     for halo_size in range(n * L + 3):
         for left_padding in (0, 2):
@@ -123,7 +123,7 @@ def test_gather_halo_exact(pool, layout, dtype):
                         noncontiguous=len(configs) % 3 == 0,
                     )
                 )
-    results = pool.run(layout, torch_cases.halo, configs)
+    results = pool.run(grouping, torch_cases.halo, configs)
     for i, c in enumerate(configs):
         want_y = expected.halo_forward(c["x"], n, c["halo_size"], c["left_padding"])
         want_grad = expected.halo_backward(
@@ -135,23 +135,23 @@ def test_gather_halo_exact(pool, layout, dtype):
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
-def test_gather_sequence_exact(pool, layout, dtype):
-    n = group_size(layout)
+@pytest.mark.parametrize("grouping", GROUPINGS, ids=str)
+def test_gather_sequence_exact(pool, grouping, dtype):
+    n = group_size(grouping)
     configs = [
         make_config(n, batch, trailing, [n * L] * n, dtype, seed=i, noncontiguous=nc)
         for i, ((batch, trailing), nc) in enumerate([(s, nc) for s in SHAPES for nc in (False, True)])
     ]
-    results = pool.run(layout, torch_cases.sequence, configs)
+    results = pool.run(grouping, torch_cases.sequence, configs)
     for i, c in enumerate(configs):
         want_grad = expected.sequence_backward(c["cotangents"])
         check_rank_results([[res[i] for res in g] for g in results], [c["x"]] * n, want_grad, dtype)
         assert all(res[i]["y_is_x"] == (n == 1) for g in results for res in g)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
-def test_gather_metadata_exact(pool, layout):
-    n = group_size(layout)
+@pytest.mark.parametrize("grouping", GROUPINGS, ids=str)
+def test_gather_metadata_exact(pool, grouping):
+    n = group_size(grouping)
     base = expected.stamped((2, n * L, 2), np.int64)
     configs = [
         {"x": (base % 3 == 0), "dtype": "bool"},
@@ -160,7 +160,7 @@ def test_gather_metadata_exact(pool, layout):
         {"x": base, "dtype": "uint8"},
         {"x": base[:1, :, 0].astype(np.float64) / 4, "dtype": "float32"},
     ]
-    results = pool.run(layout, torch_cases.metadata, configs)
+    results = pool.run(grouping, torch_cases.metadata, configs)
     for i, c in enumerate(configs):
         for g in results:
             for res in g:
@@ -237,10 +237,10 @@ def test_bad_group_raises_value_error():
         torch_impl.gather_sequence(torch.zeros(1, 2), 0)
 
 
-@pytest.mark.parametrize("layout", [("block", 4), ("strided4", 2)], ids=str)
-def test_bad_arguments_raise_on_every_rank_before_communicating(pool, layout):
-    n = group_size(layout)
-    results = pool.run(layout, torch_cases.bad_arguments, [call for call, _ in BAD_CALLS])
+@pytest.mark.parametrize("grouping", [("block", 4), ("strided4", 2)], ids=str)
+def test_bad_arguments_raise_on_every_rank_before_communicating(pool, grouping):
+    n = group_size(grouping)
+    results = pool.run(grouping, torch_cases.bad_arguments, [call for call, _ in BAD_CALLS])
     for g in results:
         for messages, gathered in g:
             for message, (_, match) in zip(messages, BAD_CALLS, strict=True):

@@ -6,7 +6,6 @@ file. Every launch has a time limit.
 """
 
 import json
-import os
 import re
 import shutil
 import socket
@@ -15,36 +14,22 @@ import sys
 
 import pytest
 
-from parity_tests import bounds
+from parity_tests import bounds, jobs
+from parity_tests.jobs import LAUNCH_TIMEOUT_S
 
-LAUNCH_TIMEOUT_S = 240
-# the console script: `python -m torch.distributed.run` starts its workers twice as slowly here
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 SMALL = ["--seq-len", "512", "--window", "200"]  # L = 128 at CP 4: the window spans two shards
 
 
-def torchrun(args, nproc=4, launcher=("--standalone",), timeout=LAUNCH_TIMEOUT_S):
-    command = [TORCHRUN, *launcher, "--nproc-per-node", str(nproc)]
-    command += ["-m", "examples.train", *args]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def finish(proc, timeout=LAUNCH_TIMEOUT_S):
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun did not finish within {timeout}s:\n{out[-3000:]}")
-    return proc.returncode, out
+def torchrun(args, nproc=4, launcher=("--standalone",)):
+    return jobs.torchrun("examples.train", args, nproc, launcher)
 
 
 def run(args, **kwargs):
-    return finish(torchrun(args, **kwargs))
+    return jobs.finish(torchrun(args, **kwargs))
 
 
 def check_verdict(out):
-    """The job's own comparison with one process (examples/train.py's docstring derives its
+    """The job's own comparison with one process (examples.train's docstring derives its
     tolerance), kept for the margins report: its largest loss difference against its tolerance."""
     found = re.search(r"EQUAL: largest difference (\S+) \(tolerance (\S+) for", out)
     assert found, out[-3000:]
@@ -135,7 +120,7 @@ def test_two_nodes_on_one_machine(tmp_path):
     launcher = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}")
     args = ["--dp", "2", "--cp", "2", "--steps", "4", *SMALL, "--reference"]
     nodes = [torchrun(args, nproc=2, launcher=launcher) for _ in range(2)]
-    results = [finish(node) for node in nodes]
+    results = [jobs.finish(node) for node in nodes]
     assert all(code == 0 for code, _ in results), [out[-2000:] for _, out in results]
     assert sum("EQUAL: largest difference" in out for _, out in results) == 1  # global rank 0's node
     check_verdict("".join(out for _, out in results))

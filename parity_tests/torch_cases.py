@@ -120,8 +120,8 @@ def halo_bytes(group, halo_sizes, L, D, layout="contiguous", compiled=True):
     `layout`, counted at the c10d calls for the eager p2p exchange and for the all_to_all one that
     torch.compile traces, and (compiled) the TCP bytes of the compiled call (a dispatch mode cannot
     watch compiled code)."""
+    from cp_support.traffic import PayloadCounter, wire_bytes
     from torch_impl.halo import halo_all_to_all
-    from torch_impl.traffic import PayloadCounter, wire_bytes
 
     x = torch.randn(1, L, D, requires_grad=True)
     out = []

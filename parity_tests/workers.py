@@ -1,10 +1,11 @@
 """A pool of gloo worker processes, started once and fed many cases (cf. PyTorch's MultiProcContinuousTest).
 
-The pool is one world of WORLD ranks; a case names a *layout*, a partition of some of those ranks
+The pool is one world of WORLD ranks; a case names a *grouping*, a partition of some of those ranks
 into CP groups, and runs on every group of it at once, so each case also exercises groups whose
-ranks are not the global ones. Rendezvous is a FileStore on a temp file (no port). Every case has a
-timeout; a rank's exception comes back with its traceback; a failed or hung case kills the pool,
-which the next case starts afresh.
+ranks are not the global ones. (A grouping says which processes form a CP group; a sequence
+*layout*, torch_impl.layout, which tokens each rank of a group holds.) Rendezvous is a FileStore
+on a temp file (no port). Every case has a timeout; a rank's exception comes back with its
+traceback; a failed or hung case kills the pool, which the next case starts afresh.
 """
 
 from datetime import timedelta
@@ -25,14 +26,14 @@ STARTUP_TIMEOUT_S = 120  # spawning WORLD processes that import torch, on 2 core
 FAILURE_GRACE_S = 5
 
 
-def layout_ranks(layout):
-    """The CP groups (lists of global ranks) of a layout, e.g. ("block", 3) -> [[0, 1, 2], [3, 4, 5]].
+def group_ranks(grouping):
+    """The CP groups (lists of global ranks) of a grouping, e.g. ("block", 3) -> [[0, 1, 2], [3, 4, 5]].
 
     ("block", n): consecutive ranks; ("strided", n): ranks r, r + k, r + 2k, ... with k = WORLD // n;
     ("strided4", 2): the groups {0, 2} and {1, 3} of a world of 4 (ranks 4..7 idle); ("first", n):
     ranks 0..n-1 alone (for cases too costly to run on every group, like compiling).
     """
-    kind, n = layout
+    kind, n = grouping
     if kind == "first":
         return [list(range(n))]
     if kind == "block":
@@ -42,10 +43,10 @@ def layout_ranks(layout):
         return [list(range(first, WORLD, k)) for first in range(k)]
     if kind == "strided4":
         return [[0, 2], [1, 3]]
-    raise ValueError(f"unknown layout {layout!r}")
+    raise ValueError(f"unknown grouping {grouping!r}")
 
 
-LAYOUTS = [("block", n) for n in (1, 2, 3, 4, 8)] + [
+GROUPINGS = [("block", n) for n in (1, 2, 3, 4, 8)] + [
     ("strided", 2),
     ("strided", 4),
     ("strided4", 2),
@@ -62,18 +63,18 @@ def _worker(rank, store_path, tasks, results):
         "gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=GLOO_TIMEOUT_S)
     )
     groups = {}
-    for layout in LAYOUTS:  # every rank creates every group, in the same order
-        for index, ranks in enumerate(layout_ranks(layout)):
+    for grouping in GROUPINGS:  # every rank creates every group, in the same order
+        for index, ranks in enumerate(group_ranks(grouping)):
             group = dist.new_group(ranks)
             if rank in ranks:
-                groups[layout] = (index, group)
+                groups[grouping] = (index, group)
     while True:
         task = tasks.get()
         if task is None:
             break
-        case_id, layout, module, name, args = task
+        case_id, grouping, module, name, args = task
         try:
-            member = groups.get(layout)
+            member = groups.get(grouping)
             if member is None:
                 payload = None
             else:
@@ -121,10 +122,10 @@ class WorkerPool:
         shutil.rmtree(self._dir, ignore_errors=True)
         self._procs = None
 
-    def run(self, layout, fn, *args, timeout=CASE_TIMEOUT_S):
-        """Run fn(group, *args) on every rank of every group of `layout`.
+    def run(self, grouping, fn, *args, timeout=CASE_TIMEOUT_S):
+        """Run fn(group, *args) on every rank of every group of `grouping`.
 
-        Returns results[g][group_rank], g indexing layout_ranks(layout). Raises CaseFailed with the
+        Returns results[g][group_rank], g indexing group_ranks(grouping). Raises CaseFailed with the
         failing ranks' tracebacks, or when some rank does not answer within `timeout` seconds.
         """
         deadline = time.monotonic() + timeout
@@ -133,7 +134,7 @@ class WorkerPool:
             deadline += STARTUP_TIMEOUT_S
         self._case_id += 1
         for q in self._tasks:
-            q.put((self._case_id, layout, fn.__module__, fn.__name__, args))
+            q.put((self._case_id, grouping, fn.__module__, fn.__name__, args))
         answers, failures = {}, {}
         while len(answers) + len(failures) < WORLD:
             try:
@@ -149,8 +150,8 @@ class WorkerPool:
             self.close(kill=True)
             details = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
             hung = f"ranks {missing} did not answer within the case's time limit (hung?)" if missing else ""
-            raise CaseFailed(f"{fn.__name__}{args!r:.200} on {layout}: {hung}{details}")
-        results = [[None] * len(ranks) for ranks in layout_ranks(layout)]
+            raise CaseFailed(f"{fn.__name__}{args!r:.200} on {grouping}: {hung}{details}")
+        results = [[None] * len(ranks) for ranks in group_ranks(grouping)]
         for payload in answers.values():
             member = pickle.loads(payload)
             if member is not None:

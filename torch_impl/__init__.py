@@ -15,8 +15,8 @@ rank r holding x: [batch, L, ...] with the global tokens [r*L, (r+1)*L); with `l
 autograd Functions `_GatherHalo` and `_GatherSequence` (as the project's API specification names
 them) are importable from here but not public. `torch_impl.attention` is a rank's own causal
 attention over the keys these functions bring (no [L, T] mask); `torch_impl.hf` makes Hugging
-Face transformers models context-parallel (needs the `[hf]` extra); `torch_impl.traffic` counts
-the bytes a rank moves.
+Face transformers models context-parallel (needs the `[hf]` extra); `torch_impl.layout` says which
+rows a rank holds and what each of its chunks reaches (`ShardPlan`).
 """
 
 from torch_impl.halo import Transfer, gather_halo, halo_plan

@@ -72,12 +72,20 @@ def check(function, group, validate, x, halo_size=None, left_padding=None, layou
         error = None
     except ValueError as e:
         error = e
-    signature = _signature(function, x, halo_size, left_padding, error is None)
-    signature.append(layouts.LAYOUTS.index(layout) if layout in layouts.LAYOUTS else -1)
-    rows = _exchange(signature, x, group)
+    fields = encode(function, x, halo_size, left_padding, layout)
+    failed, groups, rows = _compare(error is None, fields, x, group, local=("left_padding",))
     if error is not None:
         raise error
-    _raise_on_disagreement(function, rows)
+    if failed:
+        raise ValueError(
+            f"{function}: CP ranks {failed} rejected their own arguments (see the error on those ranks)"
+        )
+    if len(groups) > 1:
+        details = "; ".join(
+            f"{_ranks(ranks)}: {_describe(decode(rows[ranks[0]][1:]))}"
+            for ranks in sorted(groups.values(), key=len)
+        )
+        raise ValueError(f"{function}: CP ranks disagree on their inputs ({details})")
 
 
 def compare_ranks(ok, fields, x, group):
@@ -86,26 +94,34 @@ def compare_ranks(ok, fields, x, group):
     fields differ, or None when they all agree). For checks that only some ranks can fail, or
     inputs that must agree, so that every rank can raise instead of leaving its peers waiting in
     the next collective. x: any tensor of the rank's, for the device."""
-    rows = _exchange([int(ok), *fields.values()], x, group)
-    failed = [r for r, row in enumerate(rows) if not row[0]]
-    groups = {}
-    for r, row in enumerate(rows):
-        groups.setdefault(tuple(row[1:]), []).append(r)
+    failed, groups, _ = _compare(ok, fields, x, group)
     if len(groups) == 1:
         return failed, None
     details = "; ".join(
-        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: "
+        f"{_ranks(ranks)}: "
         + ", ".join(f"{name}={value}" for name, value in zip(fields, values, strict=True))
         for values, ranks in sorted(groups.items(), key=lambda item: item[1])
     )
     return failed, details
 
 
-def _code(text):
-    return zlib.crc32(text.encode()) & 0x7FFFFFFF  # the same in every process, unlike hash()
+# --- the wire format: one int64 per named field, encoded and decoded here -----------------------
+
+FIELDS = (
+    "function",  # index in _FUNCTIONS
+    "ndim",
+    "dtype",  # _code(str(dtype))
+    "device",  # _code(device type)
+    "halo_size",  # -1 where the call has none
+    "left_padding",
+    "layout",  # index in torch_impl.layout.LAYOUTS, -1 if unknown
+    *(f"dim{i}" for i in range(_MAX_DIMS)),  # the shape; -1 past ndim; a checksum of any dims beyond
+)
 
 
-def _signature(function, x, halo_size, left_padding, ok):
+def encode(function, x, halo_size, left_padding, layout):
+    """{field: int} for one call (FIELDS), whatever its arguments (a rank whose own are wrong still
+    sends its signature, so that its peers can name it)."""
     tensor = isinstance(x, torch.Tensor)
     shape = list(x.shape) if tensor else []
     dims = shape[:_MAX_DIMS] + [-1] * (_MAX_DIMS - len(shape))
@@ -115,64 +131,75 @@ def _signature(function, x, halo_size, left_padding, ok):
     def count(v):
         return v if isinstance(v, int) and not isinstance(v, bool) else -1
 
-    return [
+    values = [
         _FUNCTIONS.index(function),
-        int(ok),
         x.dim() if tensor else -1,
         _code(str(x.dtype)) if tensor else -1,
         _code(x.device.type) if tensor else -1,
         count(halo_size),
         count(left_padding),
+        layouts.LAYOUTS.index(layout) if layout in layouts.LAYOUTS else -1,
         *dims,
     ]
+    return dict(zip(FIELDS, values, strict=True))
 
 
-def _exchange(signature, x, group):
-    """Every rank's signature, in group-rank order: one all_gather_single of int64s."""
+def decode(values):
+    """A signature's fields by name, from the values in FIELDS order."""
+    return dict(zip(FIELDS, values, strict=True))
+
+
+def _code(text):
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF  # the same in every process, unlike hash()
+
+
+def _ranks(ranks):
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def _compare(ok, fields, x, group, local=()):
+    """All-gather [ok, *fields.values()] from every rank: (the ranks that sent ok False, the ranks
+    grouped by their values of the fields that must agree (all but `local`, which may differ per
+    rank), every rank's row)."""
+    rows = _exchange([int(ok), *fields.values()], x, group)
+    failed = [r for r, row in enumerate(rows) if not row[0]]
+    names, groups = list(fields), {}
+    for r, row in enumerate(rows):
+        values = tuple(
+            v if name not in local else fields[name] for name, v in zip(names, row[1:], strict=True)
+        )
+        groups.setdefault(values, []).append(r)
+    return failed, groups
+
+
+def _exchange(values, x, group):
+    """Every rank's values, in group-rank order: one all_gather_single of int64s."""
     if isinstance(x, torch.Tensor):
         device = x.device
     else:
         device = (
             torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
         )
-    mine = torch.tensor(signature, dtype=torch.int64, device=device)  # [K]
+    mine = torch.tensor(values, dtype=torch.int64, device=device)  # [K]
     rows = mine.new_empty((_group.world_size(group) * mine.numel(),))  # [n*K]
     _group.all_gather_single(rows, mine, group=group)
     return rows.view(-1, mine.numel()).tolist()  # [n][K]
 
 
-def _describe(row):
+def _describe(fields):
     dtypes = {
         _code(str(v)): str(v).removeprefix("torch.")
         for v in vars(torch).values()
         if isinstance(v, torch.dtype)
     }
     devices = {_code(d): d for d in _DEVICE_TYPES}
-    ndim, dtype, device, halo_size, left_padding = row[2:7]
-    shown = row[7 : 7 + (ndim if ndim <= _MAX_DIMS else _MAX_DIMS - 1)]  # not the folded checksum
+    ndim = fields["ndim"]
+    shown = [fields[f"dim{i}"] for i in range(ndim if ndim <= _MAX_DIMS else _MAX_DIMS - 1)]
     shape = "(" + ", ".join(map(str, shown)) + (", ..." if ndim > _MAX_DIMS else "") + ")"
-    text = f"{_FUNCTIONS[row[0]]} of shape {shape} {dtypes.get(dtype, '?')} on {devices.get(device, '?')}"
-    if row[0] == _FUNCTIONS.index("gather_halo"):
-        text += f", halo_size={halo_size}, left_padding={left_padding}"
-    if len(row) > 7 + _MAX_DIMS and row[-1] != 0:  # the layout, where the call sent one
-        text += f", layout={layouts.LAYOUTS[row[-1]] if row[-1] > 0 else '?'}"
+    dtype, device = dtypes.get(fields["dtype"], "?"), devices.get(fields["device"], "?")
+    text = f"{_FUNCTIONS[fields['function']]} of shape {shape} {dtype} on {device}"
+    if fields["function"] == _FUNCTIONS.index("gather_halo"):
+        text += f", halo_size={fields['halo_size']}, left_padding={fields['left_padding']}"
+    if fields["layout"] != 0:  # contiguous, the default, goes unsaid
+        text += f", layout={layouts.LAYOUTS[fields['layout']] if fields['layout'] > 0 else '?'}"
     return text
-
-
-def _raise_on_disagreement(function, rows):
-    failed = [r for r, row in enumerate(rows) if not row[1]]
-    if failed:
-        raise ValueError(
-            f"{function}: CP ranks {failed} rejected their own arguments (see the error on those ranks)"
-        )
-    agreed = [row[:6] + row[7:] for row in rows]  # left_padding (index 6) may differ per rank
-    if all(a == agreed[0] for a in agreed):
-        return
-    groups = {}
-    for r, a in enumerate(agreed):
-        groups.setdefault(tuple(a), []).append(r)
-    details = "; ".join(
-        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {_describe(rows[ranks[0]])}"
-        for ranks in sorted(groups.values(), key=len)
-    )
-    raise ValueError(f"{function}: CP ranks disagree on their inputs ({details})")

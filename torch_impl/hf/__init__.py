@@ -42,9 +42,9 @@ sliding; `short_conv`; `indexed`: DeepSeek Sparse Attention), `inputs` (`shard_b
 model's pre-hook).
 """
 
-from torch_impl.data_parallel import apply_ddp, apply_fsdp, gradient_divide_factor
 from torch_impl.hf._common import DOCUMENTS, IMPLEMENTATION
 from torch_impl.hf.attention import AttentionPlan
+from torch_impl.hf.data_parallel import apply_ddp, apply_fsdp, gradient_divide_factor
 from torch_impl.hf.inputs import shard_batch
 from torch_impl.hf.parallelize import checkpoint_kwargs, parallelize
 

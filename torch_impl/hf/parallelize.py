@@ -121,7 +121,7 @@ def _check_indexed(name, module):
         raise _refuse(name, module, f"is an {INDEXED!r} layer with attention dropout, which is not supported")
 
 
-def _attention_plan(name, module, group, layout):
+def _attention_plan(name, module, group, layout, dense=False):
     if _layer_type(module) == INDEXED:
         _check_indexed(name, module)
     implementation = module.config._attn_implementation
@@ -138,11 +138,13 @@ def _attention_plan(name, module, group, layout):
             f"uses attention {implementation!r}; only 'sdpa' and 'eager' take the global query and key "
             "offsets of a CP rank (flash kernels align causal masks bottom-right)",
         )
-    dense = None if _layer_type(module) == INDEXED else _dense_reason(module)
-    return AttentionPlan(group, attend, ALL_MASK_ATTENTION_FUNCTIONS[implementation], dense, layout)
+    reason = None if _layer_type(module) == INDEXED else _dense_reason(module)
+    if dense and _layer_type(module) != INDEXED:
+        reason = reason or "parallelize(dense=True)"
+    return AttentionPlan(group, attend, ALL_MASK_ATTENTION_FUNCTIONS[implementation], reason, layout)
 
 
-def _plan(model, group, layout):
+def _plan(model, group, layout, dense=False):
     """(attention modules with their plans, short convs): every token-mixing module, or ValueError."""
     if not type(model)._can_set_attn_implementation():
         raise _refuse("", model, "does not route its attention through transformers' AttentionInterface")
@@ -152,7 +154,7 @@ def _plan(model, group, layout):
             continue  # inside a short conv, which is handled whole
         kind = _kind(name, module)
         if kind == "attention":
-            attentions.append((module, _attention_plan(name, module, group, layout)))
+            attentions.append((module, _attention_plan(name, module, group, layout, dense)))
         elif kind == "short_conv":
             convs[name] = module
     _check_configs(model)
@@ -194,7 +196,7 @@ def apply_short_conv(convs, group, layout="contiguous"):
     return {type(module).__name__: "its own forward over a halo of kernel - 1 tokens" for module in convs}
 
 
-def parallelize(model, group, *, layout="contiguous", validate=True, verbose=True):
+def parallelize(model, group, *, layout="contiguous", validate=True, verbose=True, dense=False):
     """Make a transformers causal LM context-parallel over `group`, in place; returns the model.
 
     Every check runs before anything changes and before any communication, identically on every
@@ -209,6 +211,8 @@ def parallelize(model, group, *, layout="contiguous", validate=True, verbose=Tru
         skips that collective (it is skipped inside torch.compile either way).
     verbose: print on global rank 0 one line saying which path each layer kind takes. Either way it is
         logged (`torch_impl.hf`, INFO) and kept as `model.cp_transport_paths` ({layer kind: path}).
+    dense: True keeps every full and sliding attention layer on the model's own attention function
+        over a dense [L, T] mask (the fallback path, exact but O(L * T) memory), for comparison.
     """
     group = _group.resolve_group(group)
     check_layout(layout)
@@ -216,7 +220,7 @@ def parallelize(model, group, *, layout="contiguous", validate=True, verbose=Tru
         return model
     if model.config._attn_implementation == IMPLEMENTATION:
         raise _refuse("", model, "is already context-parallel")
-    attentions, convs = _plan(model, group, layout)
+    attentions, convs = _plan(model, group, layout, dense)
     apply_inputs(model, group, validate, layout)
     paths = apply_attention(model, attentions) | apply_short_conv(convs, group, layout)
     model.cp_transport_paths = paths

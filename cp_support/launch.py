@@ -1,4 +1,4 @@
-"""Run a function on `world_size` gloo processes, once, with a time limit (for the demo and benchmark).
+"""Run a function on `world_size` gloo processes, once, with a time limit (the demo, benchmarks, tests).
 
 Rendezvous is a FileStore on a temp file, never a fixed port. A rank that raises sends back its
 traceback; a rank that hangs (its peers failed, or a collective never completes) is killed when the
@@ -13,6 +13,15 @@ import queue
 import tempfile
 import time
 import traceback
+
+# for measuring ranks: glibc serves and returns large blocks by mmap, so freed tensors leave the
+# resident set at once; PyTorch's CPU allocator asks for transparent huge pages; one thread a rank
+RANK_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": "131072",
+    "MALLOC_TRIM_THRESHOLD_": "131072",
+    "OMP_NUM_THREADS": "1",
+    "THP_MEM_ALLOC_ENABLE": "1",
+}
 
 
 def _rank_main(rank, world_size, store_path, gloo_timeout_s, fn, args, results):

@@ -1,0 +1,58 @@
+"""The main job's small transformers models (Gemma 3, LFM2, DeepSeek V3.2) from configs, with random
+weights: examples.train trains them, the benchmarks measure them."""
+
+import torch
+
+VOCAB = 256  # byte tokens (cp_support.corpus)
+
+
+def build_model(name, seq_len, window, dtype, seed=0):
+    """A small transformers hybrid LM with random weights, the same on every rank for the seed."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 192, "num_attention_heads": 4}
+    common |= {"num_key_value_heads": 1, "max_position_embeddings": seq_len}
+    if name == "gemma3":
+        layer_types = ["sliding_attention"] * 5 + ["full_attention"]  # Gemma 3's 5:1 pattern
+        config = tf.Gemma3TextConfig(
+            **common,
+            num_hidden_layers=len(layer_types),
+            layer_types=layer_types,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=window,
+        )
+        model = tf.Gemma3ForCausalLM(config)
+    elif name == "deepseek_v32":
+        layer_types = ["indexed_attention"] * 4  # DeepSeek Sparse Attention in every layer
+        config = tf.DeepseekV32Config(
+            **common | {"num_key_value_heads": 4},  # MLA expands its latents to every head
+            num_hidden_layers=len(layer_types),
+            moe_intermediate_size=64,
+            n_shared_experts=1,
+            n_routed_experts=4,
+            n_group=1,
+            topk_group=1,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            index_topk=window,  # each query attends to the `--window` keys its indexer scores highest
+            index_head_dim=32,
+            index_n_heads=16,
+            use_cache=False,
+        )
+        model = tf.DeepseekV32ForCausalLM(config)
+        if dtype == torch.float64:  # grouped_mm has no float64 kernel on CPU
+            model.set_experts_implementation("eager")
+    elif name == "lfm2":
+        layer_types = ["conv", "conv", "full_attention", "conv", "conv", "full_attention"]
+        config = tf.Lfm2Config(**common, num_hidden_layers=len(layer_types), layer_types=layer_types)
+        model = tf.Lfm2ForCausalLM(config)
+    else:
+        raise ValueError(f"`--model` must be gemma3, lfm2 or deepseek_v32, got {name!r}")
+    return model.to(dtype)

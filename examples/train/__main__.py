@@ -1,0 +1,5 @@
+import sys
+
+from examples.train.cli import main
+
+sys.exit(main())

@@ -1,0 +1,40 @@
+"""One CP rank's causal attention over the keys it holds, without an [L, T] mask or score matrix.
+
+Rank r's L queries sit at global rows q_start .. q_start + L - 1; its T keys (gathered, or a halo
+followed by its own) at global rows k_start .. q_start + L - 1. Query q sees key k iff
+
+    k <= q,   q - k < window (when there is one),   documents[k] == documents[q] (packed
+    sequences),   padding[k] (a padding key is seen by no one)
+
+and a query that sees no key at all returns zeros. Memory is O((L + T) * heads * head_dim) plus a
+kernel's workspace; no path builds a mask or score matrix that grows with L * T.
+
+| device | layer                                      | kernel                                              |
+|--------|--------------------------------------------|-----------------------------------------------------|
+| CUDA   | global, no documents or padding            | flash attention, causal aligned bottom-right        |
+| CUDA   | the rest (windows, documents, padding)     | flex_attention, BlockMask built from `mask_mod`     |
+| CPU    | all                                        | `TiledAttention`: query blocks over key tiles (the  |
+|        |                                            | CPU flash op), merged by log-sum-exp, exact backward|
+
+The CUDA rows are PyTorch's own fused kernels (`parity_tests/test_cuda.py` checks them against the
+CPU tiles, `make gpu-check`). Modules: `rule` (the visibility rule and the arguments' checks),
+`kernels` (`causal_attention` and the kernel table), `tiles` (the CPU tiles), `sparse_mla`
+(DeepSeek Sparse Attention's absorbed form, `sparse_mla_attention`).
+"""
+
+from torch_impl.attention.kernels import KERNELS, causal_attention, choose_kernel
+from torch_impl.attention.rule import check_arguments, mask_mod
+from torch_impl.attention.sparse_mla import sparse_mla_attention
+from torch_impl.attention.tiles import Tile, TiledAttention, tile_plan
+
+__all__ = [
+    "KERNELS",
+    "Tile",
+    "TiledAttention",
+    "causal_attention",
+    "check_arguments",
+    "choose_kernel",
+    "mask_mod",
+    "sparse_mla_attention",
+    "tile_plan",
+]

@@ -1,0 +1,76 @@
+"""`causal_attention` and the table that picks its kernel per device and layer (torch_impl.attention)."""
+
+import functools
+import math
+
+import torch
+
+from torch_impl.attention.rule import check_arguments, mask_mod, repeat_kv
+from torch_impl.attention.tiles import TiledAttention
+
+
+def causal_attention(
+    query, key, value, q_start, k_start, *, window=None, scale=None, documents=None, padding=None
+):
+    """Causal attention of this rank's queries over its keys, by global position; differentiable.
+
+    query: [B, H, L, D] at global rows q_start ..; key, value: [B, Hkv, T, D] at global rows
+    k_start .. q_start + L - 1 (H a multiple of Hkv: grouped-query attention); window: a query sees
+    `window` keys, itself included, or all earlier ones when None; scale: default 1/sqrt(D);
+    documents: int [B, T] (packed sequences) and padding: bool [B, T] (True: a token), per key row.
+    Returns [B, H, L, D] in query's dtype.
+    """
+    check_arguments(query, key, value, q_start, k_start, window, documents, padding)
+    scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
+    kernel = choose_kernel(query, window, documents, padding)
+    return KERNELS[kernel](query, key, value, q_start, k_start, window, scale, documents, padding)
+
+
+def choose_kernel(query, window, documents, padding):
+    """The kernel name for this call (the table in the module docstring)."""
+    if query.device.type != "cuda":
+        return "tiled"
+    plain = window is None and documents is None and padding is None
+    return "flash" if plain and _flash_fits(query) else "flex"
+
+
+# --- CUDA ---------------------------------------------------------------------------------------
+
+
+def _flash_fits(query):
+    return (
+        query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] % 8 == 0 and query.shape[-1] <= 256
+    )
+
+
+def _flash(query, key, value, q_start, k_start, window, scale, documents, padding):
+    """Global causal attention aligned bottom-right (queries are the last L of the T keys): the
+    flash op's own `is_causal` for L < T, as torch's `causal_lower_right` dispatches it."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # [B, H, T, D]
+    return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, True, scale=scale)[0]
+
+
+@functools.cache
+def _compiled_flex():
+    """flex_attention and create_block_mask, compiled (eager flex_attention materializes the scores)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    return torch.compile(create_block_mask), torch.compile(flex_attention)
+
+
+def _flex(query, key, value, q_start, k_start, window, scale, documents, padding):
+    """flex_attention with a BlockMask built by evaluating `mask_mod` block by block (no dense mask)."""
+    create_block_mask, flex_attention = _compiled_flex()
+    B, H, L, _ = query.shape
+    per_row = documents is not None or padding is not None
+    rule = mask_mod(q_start, k_start, window, documents, padding)
+    block_mask = create_block_mask(rule, B if per_row else None, None, L, key.shape[2], device=query.device)
+    return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=H != key.shape[1])
+
+
+def _tiled(query, key, value, q_start, k_start, window, scale, documents, padding):
+    return TiledAttention.apply(query, key, value, q_start, k_start, window, scale, documents, padding)
+
+
+KERNELS = {"flash": _flash, "flex": _flex, "tiled": _tiled}
