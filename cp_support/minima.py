@@ -14,3 +14,15 @@ def indexed_layer_bytes(config, n, L, r, item, indexer=True):
         ("allgather", "forward"): ((n - 1) * L * expanded + r * L * index) * item,
         ("allgather", "backward"): (n - 1) * L * expanded * item,
     }
+
+
+def halo_tokens_moved(r, n, L, halo_size):
+    """Tokens rank r must receive in forward+backward: its halo, then the gradients of the tokens
+    later ranks' halos took from it (None for a full gather: 2 * (n-1) * L)."""
+    if halo_size is None:
+        return 2 * (n - 1) * L
+    got = min(r * L, halo_size)
+    lent = sum(
+        max(0, min((r + 1) * L, d * L) - max(r * L, d * L - min(d * L, halo_size))) for d in range(r + 1, n)
+    )
+    return got + lent

@@ -41,30 +41,30 @@ MUTATIONS = [
         "torch_impl/hf/indexed.py",
         "mask = context.visible(queries[None, :, None],",
         "mask = context.visible(query_rows[: len(queries)][None, :, None],",
-        ("parity_tests/test_hf.py", "-k", "several_query_blocks"),
+        ("parity_tests/test_hf_indexed.py", "-k", "several_query_blocks"),
     ),
     Mutation(  # every DP test once had dp = cp
         "dp_size_from_the_cp_dimension",
         "torch_impl/hf/data_parallel.py",
         'return mesh[dp_dim, cp_dim]._flatten(f"{dp_dim}_{cp_dim}"), mesh[dp_dim].size()',
         'return mesh[dp_dim, cp_dim]._flatten(f"{dp_dim}_{cp_dim}"), mesh[cp_dim].size()',
-        ("parity_tests/test_hf.py", "-k", "data_parallel_gradients"),
+        ("parity_tests/test_hf_inputs.py", "-k", "data_parallel_gradients"),
     ),
     Mutation(  # apply_ddp(global_num_items=True) was never called
         "apply_ddp_drops_global_num_items",
         "torch_impl/hf/data_parallel.py",
         "global_num_items=global_num_items, dp_dim=dp_dim, cp_dim=cp_dim)\n    ddp = ",
         "dp_dim=dp_dim, cp_dim=cp_dim)\n    ddp = ",
-        ("parity_tests/test_hf.py", "-k", "data_parallel_gradients and ddp"),
+        ("parity_tests/test_hf_inputs.py", "-k", "data_parallel_gradients and ddp"),
     ),
     Mutation(  # only 2 of the inputs check's 8 fields were ever made to differ
         "inputs_check_never_compares_position_ids",
         "torch_impl/hf/inputs.py",
         '"position_ids": int(argument("position_ids") is not None),',
         '"position_ids": int(argument("attention_mask") is not None),',
-        ("parity_tests/test_hf.py", "-k", "different_inputs"),
+        ("parity_tests/test_hf_inputs.py", "-k", "different_inputs"),
     ),
-    # what the hf equality bounds must still see (parity_tests/test_hf.py's docstring)
+    # what the hf equality bounds must still see (parity_tests/hf_reference.py's docstring)
     Mutation(
         "plan_windows_one_key_early",
         "torch_impl/layout.py",
@@ -106,7 +106,7 @@ MUTATIONS = [
         "torch_impl/hf/inputs.py",
         "padding = gather_metadata(padding.bool(), self.group, layout=self.layout)  # [B, S]",
         "padding = None  # [B, S]",
-        ("parity_tests/test_hf.py", "-k", "indexed_attention_with_left_padding and deepseek"),
+        ("parity_tests/test_hf_indexed.py", "-k", "indexed_attention_with_left_padding and deepseek"),
     ),
 ]
 

@@ -165,11 +165,9 @@ def _compare(ok, fields, x, group, local=()):
     failed = [r for r, row in enumerate(rows) if not row[0]]
     names, groups = list(fields), {}
     for r, row in enumerate(rows):
-        values = tuple(
-            v if name not in local else fields[name] for name, v in zip(names, row[1:], strict=True)
-        )
-        groups.setdefault(values, []).append(r)
-    return failed, groups
+        agreed = tuple(v for name, v in zip(names, row[1:], strict=True) if name not in local)
+        groups.setdefault(agreed, []).append(r)
+    return failed, groups, rows
 
 
 def _exchange(values, x, group):

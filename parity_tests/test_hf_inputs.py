@@ -1,0 +1,257 @@
+"""torch_impl.hf around the layers: bytes per layer against the analytic minimum, data parallelism,
+refusals before any communication, the cross-rank inputs check, and what happens without CP."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from parity_tests import bounds, hf_cases, hf_models
+from parity_tests.hf_reference import (
+    check_bytes,
+    hf_bounds,
+    reference,
+    run_reference,
+)
+from torch_impl import hf
+
+# --- bytes on the wire ------------------------------------------------------------------------
+
+
+def layer_kinds(config):
+    """Per decoder layer: ("full", None), ("sliding", W) or ("conv", K)."""
+    kinds = []
+    for i in range(config.num_hidden_layers):
+        kind = config.layer_types[i] if getattr(config, "layer_types", None) else None
+        if kind == "conv":
+            kinds.append(("conv", config.conv_L_cache))
+        elif kind == "sliding_attention" or (kind is None and getattr(config, "sliding_window", None)):
+            kinds.append(("sliding", config.sliding_window))
+        else:
+            kinds.append(("full", None))
+    return kinds
+
+
+def halo_tokens(dst, halo_size, L):
+    """The global tokens of rank dst's halo: [dst*L - h, dst*L), h = min(dst*L, halo_size)."""
+    return range(dst * L - min(dst * L, halo_size), dst * L)
+
+
+def minimum_bytes(kind, size, r, n, L, B, config, item):
+    """{(direction, dtype): bytes} rank r must receive for one layer: the analytic minimum.
+
+    Attention: K and V, each over (n-1)*L tokens (full) or its halo of min(r*L, W-1) tokens
+    (sliding); forward also the padding mask over the same tokens (1 byte each). Conv: its
+    input over its halo of min(r*L, K-1) tokens, and forward its padding mask. Backward a rank
+    receives the gradients of what it sent: (n-1)*L tokens (full) or its own tokens in later
+    ranks' halos.
+    """
+    if kind == "conv":
+        per_token = config.hidden_size * item
+    else:
+        per_token = 2 * config.num_key_value_heads * config.head_dim * item
+    if kind == "full":
+        received = sent = (n - 1) * L
+    else:
+        received = len(halo_tokens(r, size - 1, L))
+        sent = sum(r * L <= t < (r + 1) * L for dst in range(r + 1, n) for t in halo_tokens(dst, size - 1, L))
+    dtype = "float64" if item == 8 else "float32"
+    wanted = {
+        ("forward", dtype): B * received * per_token,
+        ("forward", "mask"): B * received,
+        ("backward", dtype): B * sent * per_token,
+    }
+    return {key: value for key, value in wanted.items() if value}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("name", ["gemma3", "mistral", "lfm2", "llama"])
+def test_bytes_per_layer_are_the_analytic_minimum(pool, name, n):
+    """Counted at the c10d calls, per decoder layer and rank, forward and backward."""
+    state, batch, *_ = reference(name, "float64")
+    config = hf_models.build(name).config
+    L = hf_models.SEQ_LEN // n
+    for group_results in pool.run(("block", n), hf_cases.cp_step, name, "float64", state, batch):
+        for r, res in enumerate(group_results):
+            for index, (kind, size) in enumerate(layer_kinds(config)):
+                got = {(d, dtype): v for (d, i, dtype), v in res["received"].items() if i == index and v}
+                assert got == minimum_bytes(kind, size, r, n, L, 2, config, 8), (index, kind, r)
+
+
+# --- data parallelism -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dp,wrap,global_num_items", [(4, "ddp", False), (2, "ddp", True), (4, "fsdp2", False), (2, "fsdp2", True)]
+)
+def test_data_parallel_gradients_are_one_process(pool, dp, wrap, global_num_items):
+    """8 ranks as dp x cp = 4 x 2 or 2 x 4 (dp != cp, so a DP size read from the CP dimension shows),
+    row d of a 4-row batch (row 1 padded: the rows' label counts differ) on replica d; hf.apply_ddp /
+    apply_fsdp reduce the gradients to one process's: the mean of the rows' own losses' gradients,
+    or with global_num_items the gradient of the whole batch's token mean."""
+    batch = hf_models.make_batch(batch=dp)
+    ref = run_reference(hf_models.build("llama"), batch)
+    if not global_num_items:  # the mean over the rows of each row's own mean
+        rows = [
+            run_reference(hf_models.build("llama"), {k: v[d : d + 1] for k, v in batch.items()})
+            for d in range(dp)
+        ]
+        ref = ref._replace(grads={key: sum(r.grads[key] for r in rows) / dp for key in ref.grads})
+    _, _, grads_bound = hf_bounds(ref, 8)
+    (group_results,) = pool.run(
+        ("block", 8), hf_cases.data_parallel_grads, "llama", ref.state, batch, dp, wrap, global_num_items
+    )
+    for r, grads in enumerate(group_results):
+        for key, g in ref.grads.items():
+            bounds.check(
+                (grads[key] - g).abs().max(), grads_bound * g.abs().max(), f"rank {r}'s grad of {key}"
+            )
+
+
+# --- refusals ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(hf_models.REFUSED))
+def test_unsupported_model_raises_at_parallelize_on_every_rank(pool, name):
+    for group_results in pool.run(("block", 2), hf_cases.refuse, name):
+        for message, calls, after in group_results:
+            assert message is not None and message.startswith("torch_impl.hf.parallelize: "), message
+            assert hf_models.REFUSED[name] in message, message
+            assert calls == 0 and after == [0.0, 1.0]  # no communication; every rank still in step
+
+
+@pytest.mark.parametrize(
+    "call,says",
+    [
+        ("kv_cache", ["KV cache"] * 2),
+        ("cache_on_rank_1", ["CP ranks [1] rejected their inputs", "KV cache holding tokens"]),
+        ("4d_mask", ["4-D masks"] * 2),
+        (
+            "layout_only_in_shard_batch",
+            ["sharded with layout='head_tail' but the model was parallelized"] * 2,
+        ),
+        (
+            "layout_only_in_parallelize",
+            ["sharded with layout='contiguous' but the model was parallelized"] * 2,
+        ),
+    ],
+)
+def test_calls_that_cannot_be_exact_raise_on_every_rank(pool, call, says):
+    """With validation on, a rank whose own inputs pass raises too, naming the rank that failed."""
+    state, batch, *_ = reference("llama", "float64")
+    for group_results in pool.run(("block", 2), hf_cases.unsupported_call, "llama", state, batch, call):
+        for message, want in zip(group_results, says, strict=True):
+            assert message is not None and want in message, message
+
+
+def signature(**fields):
+    """The check's description of a rank given the test batch on 2 ranks, with `fields` changed."""
+    base = {"batch": 2, "local tokens": 12, "inputs_embeds": 0, "embedding width": 0, "attention_mask": 1}
+    base |= {"position_ids": 0, "past_key_values": 0, "use_cache": 0}
+    return ", ".join(f"{key}={value}" for key, value in (base | fields).items())
+
+
+@pytest.mark.parametrize(
+    "case,rank_0",
+    [
+        ("longer_on_rank_0", signature(**{"local tokens": 24})),
+        ("fewer_rows_on_rank_0", signature(batch=1)),
+        ("mask_on_rank_0_only", signature()),  # rank 1: attention_mask=0
+        ("embeds_on_rank_0_only", signature(inputs_embeds=1, **{"embedding width": 32})),
+        ("wider_embeds_on_rank_0", signature(inputs_embeds=1, **{"embedding width": 33})),
+        ("positions_on_rank_0_only", signature(position_ids=1)),
+        ("cache_on_rank_0_only", signature(past_key_values=1)),
+        ("use_cache_on_rank_0_only", signature(use_cache=1)),
+    ],
+)
+def test_ranks_given_different_inputs_raise_on_every_rank(pool, case, rank_0):
+    """On by default (no environment variable): one all-gather of each rank's input signature at
+    the model's first hook turns a hang, a gloo abort or inconsistent shards into a ValueError on
+    both ranks, naming what differs: each of its 8 fields alone (a field the check did not compare
+    would let the ranks run on, into a hang or wrong logits)."""
+    state, batch, *_ = reference("llama", "float64")
+    for group_results in pool.run(("block", 2), hf_cases.mismatched_inputs, "llama", state, batch, case):
+        for message in group_results:
+            assert message is not None and "CP ranks were given different inputs" in message, message
+            assert f"rank 0: {rank_0};" in message or message.endswith(f"rank 0: {rank_0}"), message
+
+
+def test_the_inputs_check_is_one_small_collective_and_can_be_turned_off(pool):
+    """validate=True (the default): one all-gather of 9 int64s before the first layer, and the same
+    logits as validate=False, which makes no collective there. The paths are kept on the model."""
+    state, batch, *_ = reference("gemma3", "float64")
+    n = 2
+    runs = {
+        v: pool.run(("block", n), hf_cases.inputs_check_traffic, "gemma3", state, batch, v)
+        for v in (True, False)
+    }
+    for checked, unchecked in zip(runs[True], runs[False], strict=True):
+        for (before, logits, paths), (before_off, logits_off, _) in zip(checked, unchecked, strict=True):
+            assert before == [("_allgather_base_", check_bytes(n))] and before_off == []
+            assert torch.equal(logits, logits_off)
+            assert paths == {
+                "sliding_attention": "torch_impl.attention",
+                "full_attention": "torch_impl.attention",
+            }
+
+
+def test_shard_batch_requires_divisible_length(pool):
+    (results,) = pool.run(("first", 4), hf_cases.shard_bad_length)
+    for message in results:
+        assert message == "the sequence length S=22 must be divisible by the CP size n=4", message
+
+
+# --- without CP, and other models in the process ----------------------------------------------
+
+
+def test_without_cp_the_model_is_bit_for_bit_unchanged(pool):
+    """parallelize leaves the model untouched at n = 1, and shard_batch gives the same keys as on
+    n ranks, whole: the same logits, loss and gradients, bit for bit, as the model given them."""
+    state, batch, *_ = reference("gemma3", "float64")
+    model, local = hf_models.build("gemma3"), hf.shard_batch(batch, None)
+    assert hf.parallelize(model, None) is model and model.config._attn_implementation == "sdpa"
+    assert local.keys() == batch.keys() | {"use_cache", "shift_labels", "num_items_in_batch"}
+    assert all(torch.equal(local[k], batch[k]) for k in batch)
+    model.load_state_dict(state)
+    model.eval()
+    out = model(**local)
+    out.loss.backward()
+    assert abs(out.loss - reference("gemma3", "float64")[3]) <= 1e-12  # shift_labels: the same targets
+    for ((same, got_local, logits, loss, grads),) in pool.run(
+        ("block", 1), hf_cases.without_cp, "gemma3", state, batch
+    ):
+        assert same and got_local.keys() == local.keys()
+        assert torch.equal(logits, out.logits) and torch.equal(loss, out.loss)
+        assert all(torch.equal(grads[k], p.grad) for k, p in model.named_parameters())
+    for group_results in pool.run(("block", 2), hf_cases.local_keys, batch):
+        assert group_results == [sorted(local)] * 2
+
+
+def test_another_model_in_the_process_is_unaffected(pool):
+    """Each rank parallelizes one Gemma 3 and runs a second, untouched one: bit for bit as before."""
+    state, batch, logits, *_ = reference("gemma3", "float64")
+    for group_results in pool.run(("block", 2), hf_cases.other_model_unaffected, "gemma3", state, batch):
+        for before, after, implementation in group_results:
+            assert torch.equal(before, logits) and torch.equal(after, logits) and implementation == "sdpa"
+
+
+def test_the_core_imports_without_the_optional_extras():
+    """`import torch_impl` needs torch only: transformers and jax stay unimported (and may be absent)."""
+    code = (
+        "import sys\n"
+        "class Absent:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('transformers', 'jax'):\n"
+        "            raise ImportError(f'{name} is not installed')\n"
+        "sys.meta_path.insert(0, Absent())\n"
+        "import torch_impl, torch_impl.attention, torch_impl.layout\n"
+        "torch_impl.gather_sequence\n"
+        "try:\n"
+        "    import torch_impl.hf\n"
+        "except ImportError as e:\n"
+        "    print('hf:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "hf: transformers is not installed", out.stdout
