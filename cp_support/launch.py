@@ -22,6 +22,7 @@ RANK_ENV = {
     "OMP_NUM_THREADS": "1",
     "THP_MEM_ALLOC_ENABLE": "1",
 }
+FAILURE_GRACE_S = 5  # once a rank failed, how long its peers may still answer
 
 
 def _rank_main(rank, world_size, store_path, gloo_timeout_s, fn, args, results):
@@ -67,24 +68,38 @@ def run_ranks(fn, world_size, *args, timeout_s=300, env=None):
                 os.environ.pop(k)
             else:
                 os.environ[k] = v
-        answers, failures = {}, {}
-        deadline = time.monotonic() + timeout_s
-        while len(answers) + len(failures) < world_size:
-            try:
-                rank, ok, value = results.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            (answers if ok else failures)[rank] = value
-            if failures:
-                deadline = min(deadline, time.monotonic() + 5)
+        answers, failures, missing = collect(results, world_size, time.monotonic() + timeout_s)
         for p in procs:
             p.join(timeout=5 if not failures and len(answers) == world_size else 0)
             if p.is_alive():
                 p.kill()
                 p.join()
-    missing = sorted(set(range(world_size)) - set(answers) - set(failures))
     if failures or missing:
-        details = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
-        hung = f"ranks {missing} did not finish within {timeout_s}s" if missing else ""
-        raise RuntimeError(f"{fn.__name__} on {world_size} ranks failed: {hung}{details}")
+        raise RuntimeError(
+            failure_message(f"{fn.__name__} on {world_size} ranks failed", failures, missing, timeout_s)
+        )
     return [pickle.loads(answers[r]) for r in range(world_size)]
+
+
+def collect(results, world_size, deadline, unpack=tuple):
+    """Answers from `world_size` ranks on the queue `results`, each unpack(item) = (rank, ok,
+    payload), until all answered or the monotonic `deadline` passed; once a rank has failed, its
+    peers get FAILURE_GRACE_S more (they may be waiting on it in a collective). Returns (answers,
+    failures: tracebacks, missing: the ranks that did not answer), answers and failures by rank."""
+    answers, failures = {}, {}
+    while len(answers) + len(failures) < world_size:
+        try:
+            item = results.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        rank, ok, payload = unpack(item)
+        (answers if ok else failures)[rank] = payload
+        if failures:
+            deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+    return answers, failures, sorted(set(range(world_size)) - set(answers) - set(failures))
+
+
+def failure_message(what, failures, missing, limit_s):
+    """`what`, then the ranks that did not answer within limit_s, then each failed rank's traceback."""
+    hung = f"ranks {missing} did not answer within {limit_s}s (hung?)" if missing else ""
+    return f"{what}: {hung}" + "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))

@@ -13,17 +13,17 @@ import importlib
 import multiprocessing as mp
 import os
 import pickle
-import queue
 import shutil
 import tempfile
 import time
 import traceback
 
+from cp_support.launch import collect, failure_message
+
 WORLD = 8
 CASE_TIMEOUT_S = 60
 GLOO_TIMEOUT_S = 45  # a collective stuck on a dead peer errors out before the case times out
 STARTUP_TIMEOUT_S = 120  # spawning WORLD processes that import torch, on 2 cores
-FAILURE_GRACE_S = 5
 
 
 def group_ranks(grouping):
@@ -135,22 +135,17 @@ class WorkerPool:
         self._case_id += 1
         for q in self._tasks:
             q.put((self._case_id, grouping, fn.__module__, fn.__name__, args))
-        answers, failures = {}, {}
-        while len(answers) + len(failures) < WORLD:
-            try:
-                case_id, rank, ok, payload = self._results.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
+
+        def unpack(item):
+            case_id, rank, ok, payload = item
             assert case_id == self._case_id, (case_id, self._case_id)
-            (answers if ok else failures)[rank] = payload
-            if failures:  # its peers may now wait forever: give them a moment, not the whole timeout
-                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
-        missing = sorted(set(range(WORLD)) - set(answers) - set(failures))
+            return rank, ok, payload
+
+        answers, failures, missing = collect(self._results, WORLD, deadline, unpack)
         if failures or missing:
             self.close(kill=True)
-            details = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
-            hung = f"ranks {missing} did not answer within the case's time limit (hung?)" if missing else ""
-            raise CaseFailed(f"{fn.__name__}{args!r:.200} on {grouping}: {hung}{details}")
+            what = f"{fn.__name__}{args!r:.200} on {grouping}"
+            raise CaseFailed(failure_message(what, failures, missing, timeout))
         results = [[None] * len(ranks) for ranks in group_ranks(grouping)]
         for payload in answers.values():
             member = pickle.loads(payload)
