@@ -162,7 +162,8 @@ def test_packed_documents_are_isolated():
 @pytest.mark.parametrize(
     "name,n,backend",
     [
-        *[(name, n, "aot_eager") for name in ("gemma3", "lfm2") for n in (2, 4)],
+        ("gemma3", 4, "aot_eager"),  # windows reaching two shards back: halos from two peers
+        ("lfm2", 2, "aot_eager"),
         ("lfm2", 2, "inductor"),  # inductor once (slow compiles); Gemma 3's: with checkpointing, above
     ],
 )

@@ -107,8 +107,10 @@ def _halo_backward(grad, group, plan, windows):
         group,
     )
     selves = [t for t in plan if t.src == t.dst == r]
-    if len(own) > 1 or returned or selves:  # grad_output is not ours to add into
-        local = torch.cat(own)  # [L, B, ...], a new tensor
+    if len(own) > 1 or returned or selves:  # grad_output is not ours to add into: a new [L, B, ...]
+        local = gs.new_empty((windows[-1].queries.stop, *gs.shape[1:]))  # [L, B, ...]
+        for w, g in zip(windows, own, strict=True):
+            local[w.queries].copy_(g)  # [C, B, ...]
     else:
         local = own[0]
     for t in selves:
