@@ -26,6 +26,12 @@ GLOO_TIMEOUT_S = 45  # a collective stuck on a dead peer errors out before the c
 STARTUP_TIMEOUT_S = 120  # spawning WORLD processes that import torch, on 2 cores
 
 
+def threads_per_rank():
+    """OMP_NUM_THREADS when set, else the cores shared among the WORLD ranks (at least one): 8 ranks
+    of torch's default threads on a 2-core machine would oversubscribe it 8x."""
+    return int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // WORLD))
+
+
 def group_ranks(grouping):
     """The CP groups (lists of global ranks) of a grouping, e.g. ("block", 3) -> [[0, 1, 2], [3, 4, 5]].
 
@@ -56,8 +62,10 @@ GROUPINGS = [("block", n) for n in (1, 2, 3, 4, 8)] + [
 
 
 def _worker(rank, store_path, tasks, results):
+    import torch
     import torch.distributed as dist
 
+    torch.set_num_threads(threads_per_rank())
     store = dist.FileStore(store_path, WORLD)
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=GLOO_TIMEOUT_S)
