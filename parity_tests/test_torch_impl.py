@@ -323,6 +323,7 @@ def test_shard_plan_against_brute_force(layout):
                             assert list(range(n * L))[w.keys] == window + own
                             assert w.segment == slice(row, row + lp + len(window) + C), (n, r, reach, lp)
                             assert w.own == slice(w.segment.stop - C, w.segment.stop)
+                            assert w.window_rows == slice(row + lp, row + lp + len(window))
                             row = w.segment.stop
     with pytest.raises(ValueError, match="`layout` must be one of"):
         ShardPlan.of("zigzag", 2, 0, 4)

@@ -58,7 +58,6 @@ def _halo_forward(x, group, plan, windows):
     """x: [B, L, ...] -> [B, sum_k (left_padding + h_k + C), ...]; pieces land in views of one buffer.
     windows: this rank's ShardPlan.windows(halo_size, left_padding)."""
     r = _group.rank(group)
-    starts = [w.own.start - w.halo for w in windows]  # the output row of each window's first token
     T = windows[-1].segment.stop
     sent = [t for t in plan if t.src == r and t.dst != r]
     longest = {}  # local chunk -> the longest tail it sends: one sequence-major copy per chunk
@@ -69,7 +68,8 @@ def _halo_forward(x, group, plan, windows):
     out = x.new_empty((T, x.shape[0], *x.shape[2:]))  # [T, B, ...]
 
     def window(t):
-        return out[starts[t.dst_chunk] + t.dst_start : starts[t.dst_chunk] + t.dst_start + t.length]
+        start = windows[t.dst_chunk].window_rows.start + t.dst_start
+        return out[start : start + t.length]
 
     works = start_exchange(
         [(t.dst, tails[t.src_start + t.length][-t.length :]) for t in sent],  # [length, B, ...]
@@ -77,8 +77,8 @@ def _halo_forward(x, group, plan, windows):
         group,
     )
     xs = x.transpose(0, 1)  # [L, B, ...]
-    for w, start in zip(windows, starts, strict=True):
-        out[w.segment.start : start].zero_()  # [left_padding, B, ...]
+    for w in windows:
+        out[w.segment.start : w.window_rows.start].zero_()  # [left_padding, B, ...]
         out[w.own].copy_(xs[w.queries])  # [C, B, ...]
     for t in plan:
         if t.src == t.dst == r:
@@ -92,11 +92,11 @@ def _halo_backward(grad, group, plan, windows):
     """grad: [B, sum_k (left_padding + h_k + C), ...] -> [B, L, ...]: the local chunks' gradient
     plus the gradients of every window piece this rank's tokens filled."""
     r = _group.rank(group)
-    starts = [w.own.start - w.halo for w in windows]  # the output row of each window's first token
     gs = grad.transpose(0, 1)  # [T, B, ...]
 
     def window(t):
-        return gs[starts[t.dst_chunk] + t.dst_start : starts[t.dst_chunk] + t.dst_start + t.length]
+        start = windows[t.dst_chunk].window_rows.start + t.dst_start
+        return gs[start : start + t.length]
 
     own = [gs[w.own] for w in windows]  # [C, B, ...] each
     returned = [t for t in plan if t.src == r and t.dst != r]  # pieces this rank sent: grads come back

@@ -31,21 +31,6 @@ def check(layout, local_len=None):
         )
 
 
-def chunks(layout, n, r):
-    """The global chunk indices rank r holds, in local order."""
-    return (r,) if layout == "contiguous" else (r, 2 * n - 1 - r)
-
-
-def chunk_len(layout, local_len):
-    return local_len if layout == "contiguous" else local_len // 2
-
-
-def global_rows(layout, n, r, local_len, device=None):
-    """int64 [L]: the global position of each of rank r's local rows."""
-    C = chunk_len(layout, local_len)
-    return torch.cat([torch.arange(c * C, (c + 1) * C, device=device) for c in chunks(layout, n, r)])
-
-
 class Window(NamedTuple):
     """One local chunk's queries and the keys a layer of reach h gives them (global rows
     [first_key, end): the h' = min(start, h) tokens before the chunk, then the chunk)."""
@@ -68,6 +53,11 @@ class Window(NamedTuple):
         return slice(self.first_key, self.end)
 
     @property
+    def window_rows(self):
+        """The window's rows within its segment (after the zeros, before the chunk)."""
+        return slice(self.own.start - self.halo, self.own.start)
+
+    @property
     def own(self):
         """The chunk's rows within its segment (after the zeros and the window)."""
         return slice(self.segment.stop - (self.end - self.start), self.segment.stop)
@@ -88,16 +78,17 @@ class ShardPlan(NamedTuple):
 
     @property
     def chunk_len(self):
-        return chunk_len(self.layout, self.local_len)
+        return self.local_len if self.layout == "contiguous" else self.local_len // 2
 
     @property
     def chunks(self):
         """The global chunk indices the rank holds, in local order."""
-        return chunks(self.layout, self.n, self.r)
+        return (self.r,) if self.layout == "contiguous" else (self.r, 2 * self.n - 1 - self.r)
 
     def rows(self, device=None):
         """int64 [L]: the global row of each local token."""
-        return global_rows(self.layout, self.n, self.r, self.local_len, device)
+        C = self.chunk_len
+        return torch.cat([torch.arange(c * C, (c + 1) * C, device=device) for c in self.chunks])
 
     @property
     def end(self):
