@@ -39,6 +39,13 @@ head). n=2, L=2 (C=1), halo_size=2, each (...) one chunk's segment, its window t
     every device           gather_sequence -> [0 1 2 3]
 
 Static shapes again: each chunk's window is as long as the longest among devices, zeros in front.
+
+Per-chunk halos (``halo_size`` a sequence, one int per global chunk). Packed documents need less
+than the window: chunk c needs nothing before the start of the document holding its first token,
+so ``halo_size[c]`` is that distance (capped by the window). The output keeps the static shape;
+a device's positions before its own h_c are zero, and their gradient goes nowhere. n=3, L=2,
+halo_size=(0, 1, 3): device 0 -> [. . . | 0 1], device 1 -> [. . 1 | 2 3] (token 0 is not in its
+window), device 2 -> [1 2 3 | 4 5].
 """
 
 import math
@@ -81,6 +88,12 @@ def _check_count(name, value):
         raise ValueError(f"`{name}` must be a non-negative int, got {value!r}")
 
 
+def _check_halo_size(halo_size):
+    """A non-negative int, or a tuple or list of them (one per global chunk)."""
+    for h in halo_size if isinstance(halo_size, (tuple, list)) else (halo_size,):
+        _check_count("halo_size", h)
+
+
 def gather_sequence(x, axis_name, layout="contiguous"):
     """x: [B, L, ...] -> [B, n*L, ...] in global order. Backward: psum_scatter (and the reordering's
     transpose)."""
@@ -91,23 +104,30 @@ def gather_sequence(x, axis_name, layout="contiguous"):
 
 def gather_halo(x, axis_name, halo_size, left_padding=0, layout="contiguous"):
     """x: [B, L, ...] -> per local chunk k (C tokens, global chunk c): [left_padding zeros, H_k
-    tokens, the chunk], concatenated; H_k = min(halo_size, largest c*C over devices).
+    positions, the chunk], concatenated; chunk c's window is its h_c = min(halo_size, c*C) tokens
+    (or halo_size[c]: one per global chunk, e.g. how far back c's first document began) at the end
+    of the H_k = largest h_c over devices positions, zeros before them.
 
     Shift s = 1, 2, ... brings chunk c the last ``min(C, H_k - (s-1)*C)`` tokens of chunk c - s from
     the device that holds it (at its local chunk p: one ``ppermute`` per p); the received tails,
-    farthest first, form chunk c's window. Devices whose chunk c - s does not exist receive zeros.
+    farthest first, form chunk c's window, of which a device keeps its last h_c positions. Devices
+    whose chunk c - s does not exist receive zeros.
     """
     _check_shard(x, layout)
-    _check_count("halo_size", halo_size)
+    _check_halo_size(halo_size)
     _check_count("left_padding", left_padding)
     n, L = lax.axis_size(axis_name), x.shape[1]
     held = [chunks(layout, n, r) for r in range(n)]
     C, count = L // len(held[0]), len(held[0])
+    reach = halo_size if isinstance(halo_size, (tuple, list)) else (halo_size,) * (n * count)
+    if len(reach) != n * count:
+        raise ValueError(f"`halo_size` must be an int or one per global chunk ({n * count}), got {halo_size}")
     owner = {c: (r, p) for r in range(n) for p, c in enumerate(held[r])}  # chunk -> (device, local chunk)
     zeros = jnp.zeros((x.shape[0], left_padding, *x.shape[2:]), x.dtype)  # [B, left_padding, ...]
     segments = []
     for k in range(count):
-        H = min(halo_size, max(held[r][k] for r in range(n)) * C)
+        h = [min(reach[held[r][k]], held[r][k] * C) for r in range(n)]  # each device's h_c
+        H = max(h)
         pieces = []
         for s in range(1, math.ceil(H / C) + 1 if H else 1):  # H > 0 implies C > 0
             length = min(C, H - (s - 1) * C)
@@ -119,6 +139,10 @@ def gather_halo(x, axis_name, halo_size, left_padding=0, layout="contiguous"):
                     tail = x[:, (p + 1) * C - length : (p + 1) * C]  # [B, length, ...] of chunk p
                     piece = piece + lax.ppermute(tail, axis_name, pairs)
             pieces.insert(0, piece)
+        if pieces and min(h) < H:  # keep this device's last h_c positions of the H received
+            kept = jnp.arange(H) >= H - jnp.asarray(h)[lax.axis_index(axis_name)]  # [H]
+            window = jnp.concatenate(pieces, axis=1)  # [B, H, ...]
+            pieces = [jnp.where(kept.reshape(1, H, *(1,) * (x.ndim - 2)), window, 0)]
         segments += [zeros, *pieces, x[:, k * C : (k + 1) * C]]
     return jnp.concatenate(segments, axis=1)
 

@@ -80,10 +80,22 @@ def device_order(x, n, layout):
 
 
 def halo_segments(n, L, r, halo_size, layout):
-    """Per local chunk of rank r: (window length h, global tokens of the window and the chunk)."""
+    """Per local chunk of rank r: (window length h, global tokens of the window and the chunk);
+    halo_size an int, or one per global chunk."""
     C = L if layout == "contiguous" else L // 2
     chunks = (r,) if layout == "contiguous" else (r, 2 * n - 1 - r)
-    return [(min(c * C, halo_size), range(c * C - min(c * C, halo_size), (c + 1) * C)) for c in chunks]
+    out = []
+    for c in chunks:
+        h = min(c * C, halo_size if isinstance(halo_size, int) else halo_size[c])
+        out.append((h, range(c * C - h, (c + 1) * C)))
+    return out
+
+
+def static_halo_lens(n, L, halo_size, left_padding, layout):
+    """The JAX reference's static length of each local chunk's segment: the longest among ranks."""
+    C = L if layout == "contiguous" else L // 2
+    segments = [halo_segments(n, L, r, halo_size, layout) for r in range(n)]
+    return [left_padding + max(s[k][0] for s in segments) + C for k in range(len(segments[0]))]
 
 
 def layout_halo_forward(x, n, halo_size, left_padding, layout):

@@ -184,6 +184,15 @@ def test_head_tail_layout_forward_and_vjp(n, halo_size, left_padding):
         np.testing.assert_array_equal(y[r], x.astype(np.int32))
 
 
+def test_per_chunk_halo_worked_example():
+    """The module docstring's per-chunk example: n=3, L=2, halo_size=(0, 1, 3); a wrong count of
+    halo sizes is refused."""
+    y, _ = jax_harness.run("gather_halo", np.arange(6, dtype=np.float32)[None] + 1, 3, halo_size=(0, 1, 3))
+    assert (y[:, 0] - (y[:, 0] > 0)).tolist() == [[0, 0, 0, 0, 1], [0, 0, 1, 2, 3], [1, 2, 3, 4, 5]]
+    with pytest.raises(ValueError, match=r"one per global chunk \(3\), got \(0, 1\)"):
+        jax_harness.run("gather_halo", np.ones((1, 6), np.float32), 3, halo_size=(0, 1))
+
+
 def test_head_tail_worked_example():
     """The module docstring's example: n=2, L=2, halo_size=2."""
     y, _ = jax_harness.run(

@@ -228,15 +228,22 @@ PARTIAL_STRIPS = [(2, 11, 1, (2,), "float32"), (3, 100, 2, (), "float64")]
 def check_head_tail_halo(pool, n, C, batch, trailing, dtype, kind, transport):
     """Every chunk's window against JAX's static-shape one (per chunk: zeros in front, then equal),
     halo sizes from none through windows spanning one to three chunks to more than the prefix."""
-    L, layout = 2 * C, "head_tail"
-    rng = np.random.default_rng(n * 10 + C)
-    x = make_data(kind, (batch, n * L, *trailing), dtype, rng)  # device order: rank r's rows r*L ..
     combos = [
         (h, lp)
         for h in sorted({0, 1, C, C + 1, 2 * C + 1, 3 * C, (2 * n - 1) * C, 2 * n * C + 3})
         for lp in (0, 2)
     ]
-    statics = [[lp + min(h, (n - 1) * C) + C, lp + min(h, (2 * n - 1) * C) + C] for h, lp in combos]
+    check_chunk_halos(pool, n, C, batch, trailing, dtype, kind, transport, "head_tail", combos)
+
+
+def check_chunk_halos(pool, n, C, batch, trailing, dtype, kind, transport, layout, combos):
+    """gather_halo for each (halo_size, left_padding) in combos (halo_size an int or one per
+    global chunk) against JAX, chunk by chunk (C tokens each): JAX's static segment is zeros in
+    front, then equal to torch's."""
+    L = C if layout == "contiguous" else 2 * C
+    rng = np.random.default_rng(n * 10 + C)
+    x = make_data(kind, (batch, n * L, *trailing), dtype, rng)  # device order: rank r's rows r*L ..
+    statics = [expected.static_halo_lens(n, L, h, lp, layout) for h, lp in combos]
     cotangents = [make_cotangent(kind, (n, batch, sum(static), *trailing), dtype, rng) for static in statics]
     ys, grads = jax_harness.run_many(
         "gather_halo",
@@ -249,10 +256,8 @@ def check_head_tail_halo(pool, n, C, batch, trailing, dtype, kind, transport):
     def parts(h, lp, r, static):
         """Per chunk: (JAX's rows of its static segment, torch's length)."""
         lens = [lp + w + C for w, _ in expected.halo_segments(n, L, r, h, layout)]
-        return [
-            (slice(start, start + size), n_)
-            for start, size, n_ in zip((0, static[0]), static, lens, strict=True)
-        ]
+        starts = np.cumsum([0, *static[:-1]])
+        return [(slice(a, a + size), n_) for a, size, n_ in zip(starts, static, lens, strict=True)]
 
     configs = []
     for (h, lp), static, ct in zip(combos, statics, cotangents, strict=True):
@@ -269,7 +274,7 @@ def check_head_tail_halo(pool, n, C, batch, trailing, dtype, kind, transport):
                 "halo_size": h,
                 "left_padding": lp,
                 "layout": layout,
-                "noncontiguous": h % 2 == 1,
+                "noncontiguous": sum(np.atleast_1d(h)) % 2 == 1,
             }
         )
     results = pool.run(grouping_for(n, C), torch_cases.halo, configs, transport)
@@ -278,7 +283,7 @@ def check_head_tail_halo(pool, n, C, batch, trailing, dtype, kind, transport):
         abs_sum = expected.layout_halo_backward(visible, n, L, h, lp, layout, np.float64)
         abs_sum = expected.device_order(abs_sum, n, layout)
         for g, r, res in ((g, r, res) for g, rs in enumerate(results) for r, res in enumerate(rs)):
-            where = f"head_tail n={n} C={C} halo_size={h} left_padding={lp} group {g} rank {r}"
+            where = f"{layout} n={n} C={C} halo_size={h} left_padding={lp} group {g} rank {r}"
             y, jax_y, row = as_numpy(res[i]["y"]), ys[i][r].astype(np.float64), 0
             assert y.shape[1] == sum(n_ for _, n_ in parts(h, lp, r, static)), where
             for rows, n_ in parts(h, lp, r, static):
@@ -296,6 +301,29 @@ def check_head_tail_halo(pool, n, C, batch, trailing, dtype, kind, transport):
 @pytest.mark.parametrize("n,C,batch,trailing,dtype", HEAD_TAIL, ids=str)
 def test_head_tail_halo_parity(pool, n, C, batch, trailing, dtype, kind, transport):
     check_head_tail_halo(pool, n, C, batch, trailing, dtype, kind, transport)
+
+
+def per_chunk_halos(n, C, layout):
+    """Per-chunk halo sizes as packed documents give them (the distance back to each chunk's first
+    document's start, capped by a window): none, inside one chunk, across several ranks, past the
+    prefix, and one chunk reaching where its neighbours reach nothing."""
+    chunks = n if layout == "contiguous" else 2 * n
+    yield (0,) * chunks
+    yield tuple(c % 2 * (C - 1) for c in range(chunks))  # inside the previous chunk, every other one
+    yield tuple(min(c * C, (c % 3) * C + 1) for c in range(chunks))  # 0, C + 1, 2C + 1 chunks back
+    yield tuple(c * C + 5 if c == chunks - 1 else 0 for c in range(chunks))  # the last: past its prefix
+    yield tuple((chunks - c) * C // 2 for c in range(chunks))  # longer for earlier chunks
+
+
+@pytest.mark.parametrize("transport", HALO_PATHS)
+@pytest.mark.parametrize("kind", DATA)
+@pytest.mark.parametrize("layout", ["contiguous", "head_tail"])
+@pytest.mark.parametrize("n,C,batch,trailing,dtype", [(3, 2, 2, (3,), "float32"), (4, 3, 1, (), "float64")])
+def test_per_chunk_halo_parity(pool, n, C, batch, trailing, dtype, kind, transport, layout):
+    """halo_size one per global chunk (packed documents' reach): each chunk's window only its own
+    h_c tokens, gradients back to their owners, JAX's zeros in front of them."""
+    combos = [(h, lp) for h in per_chunk_halos(n, C, layout) for lp in (0, 1)]
+    check_chunk_halos(pool, n, C, batch, trailing, dtype, kind, transport, layout, combos)
 
 
 @pytest.mark.parametrize("kind", DATA)

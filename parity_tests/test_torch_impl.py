@@ -16,7 +16,7 @@ import torch
 from parity_tests import expected, torch_cases
 from parity_tests.workers import group_ranks
 import torch_impl
-from torch_impl.layout import ShardPlan
+from torch_impl.layout import ShardPlan, document_reach
 
 L = 3
 FLOATS = ["float32", "float64", "bfloat16", "float16"]
@@ -209,6 +209,14 @@ BAD_CALLS = [
         "`halo_size` must be a non-negative int, got True",
     ),
     (
+        ("gather_halo", (1, 4), "float32", False, {"halo_size": (1, 2, 3)}),
+        r"one per global chunk \((\d) for layout='contiguous' over \1 ranks\), got \(1, 2, 3\)",
+    ),
+    (
+        ("gather_halo", (1, 4), "float32", False, {"halo_size": (0, 1, -1, 2)}),
+        "`halo_size` must be a non-negative int, got -1",
+    ),
+    (
         ("gather_halo", (1, 4), "float32", False, {"halo_size": 1, "left_padding": -2}),
         "`left_padding` must be a non-negative int, got -2",
     ),
@@ -310,7 +318,8 @@ def test_shard_plan_against_brute_force(layout):
                 plan = ShardPlan.of(layout, n, r, L)
                 rows = expected.local_tokens(n, L, r, layout)
                 assert plan.rows().tolist() == rows and plan.end == max(rows) + 1
-                for reach in [*range(n * L + 2), None]:
+                per_chunk = tuple((7 * c) % (n * L + 2) for c in range(plan.num_chunks))  # one per chunk
+                for reach in [*range(n * L + 2), None, per_chunk]:
                     for lp in (0, 2):
                         row = 0
                         windows = plan.windows(reach, lp)
@@ -318,7 +327,8 @@ def test_shard_plan_against_brute_force(layout):
                         for k, w in enumerate(windows):
                             own = rows[k * C : (k + 1) * C]
                             assert own == list(range(w.start, w.end)) == rows[w.queries]
-                            window = [t for t in range(w.start) if reach is None or w.start - t <= reach]
+                            h = reach[w.chunk] if isinstance(reach, tuple) else reach
+                            window = [t for t in range(w.start) if h is None or w.start - t <= h]
                             assert list(range(w.first_key, w.start)) == window and w.halo == len(window)
                             assert list(range(n * L))[w.keys] == window + own
                             assert w.segment == slice(row, row + lp + len(window) + C), (n, r, reach, lp)
@@ -327,3 +337,18 @@ def test_shard_plan_against_brute_force(layout):
                             row = w.segment.stop
     with pytest.raises(ValueError, match="`layout` must be one of"):
         ShardPlan.of("zigzag", 2, 0, 4)
+
+
+def test_document_reach_against_brute_force():
+    """document_reach: per chunk, how far back its first token's document began (the most over the
+    rows), for documents starting on a chunk edge, spanning three chunks, one token long."""
+    documents = torch.tensor([[0, 0, 0, 0, 0, 0, 0, 1, 2, 2, 2, 2], [0, 0, 0, 1, 1, 1, 2, 3, 3, 4, 5, 5]])
+    for C in (1, 2, 3, 4, 6, 12):
+        want = []
+        for start in range(0, 12, C):
+            firsts = [min(t for t in range(12) if documents[b, t] == documents[b, start]) for b in range(2)]
+            want.append(max(start - f for f in firsts))
+        assert document_reach(documents, C) == tuple(want), C
+    assert document_reach(documents, 3) == (0, 3, 6, 1)  # row 0's first document spans chunks 0-2
+    with pytest.raises(ValueError, match="non-decreasing"):
+        document_reach(torch.tensor([[0, 0, 1, 0]]), 2)

@@ -26,8 +26,9 @@ def halo_plan(world_size, local_len, halo_size, layout="contiguous"):
     """Every transfer of a halo exchange, for both directions: forward src -> dst, backward dst -> src.
 
     The window of chunk c (C tokens) is the global tokens [first_key, cC), first_key = cC - min(cC,
-    halo_size) (ShardPlan.windows). Each earlier chunk it overlaps, nearest first, gives the rows of
-    it past first_key: the end of that chunk, on the rank that holds it. Contiguous: chunk r is rank
+    h_c) with h_c = halo_size, or halo_size[c] when it is one per global chunk (ShardPlan.windows).
+    Each earlier chunk it overlaps, nearest first, gives the rows of it past first_key: the end of
+    that chunk, on the rank that holds it. Contiguous: chunk r is rank
     r's shard (C = L), so rank r - s sends its tail. A transfer with src == dst (head_tail: rank
     n-1's tail reaching its own head) is a local copy.
     """
@@ -191,7 +192,10 @@ def gather_halo(x, group, halo_size, left_padding=0, *, layout="contiguous", val
     Args:
         x: [batch, local_sequence, ...], rank r's chunks of the global sequence (`layout`).
         group: the CP process group (or a 1-D DeviceMesh), or None for a single rank (no CP).
-        halo_size: most preceding tokens to fetch, normally window - 1 (attention) or kernel - 1 (conv).
+        halo_size: most preceding tokens to fetch, normally window - 1 (attention) or kernel - 1 (conv);
+            or one int per global chunk (n; 2n under head_tail), e.g. packed documents'
+            torch_impl.layout.document_reach capped by the window: chunk c fetches up to halo_size[c].
+            The same on every rank.
         left_padding: zero positions made locally before each window (never sent), e.g. to align a
             key tile with global key coordinates. It may differ between ranks.
         layout: "contiguous" (rank r holds global tokens [r*L, (r+1)*L)) or "head_tail" (chunks r
@@ -201,8 +205,8 @@ def gather_halo(x, group, halo_size, left_padding=0, *, layout="contiguous", val
 
     Returns:
         Per local chunk (global chunk c, C tokens), one after the other: left_padding zeros, the
-        h = min(c*C, halo_size) global tokens before the chunk, then the chunk; dtype of x.
-        Contiguous: [batch, left_padding + h + L, ...] with h = min(r*L, halo_size), then x. Without
+        h = min(c*C, halo_size) (or halo_size[c]) global tokens before the chunk, then the chunk; dtype
+        of x. Contiguous: [batch, left_padding + h + L, ...] with h = min(r*L, halo_size), then x. Without
         CP it is x itself when left_padding == 0. With batch > 1 it is a strided view of a
         sequence-major buffer.
 
@@ -211,6 +215,7 @@ def gather_halo(x, group, halo_size, left_padding=0, *, layout="contiguous", val
     """
     group = _group.resolve_group(group)
     validation.check("gather_halo", group, validate, x, halo_size, left_padding, layout)
+    halo_size = halo_size if isinstance(halo_size, int) else tuple(halo_size)
     if _group.world_size(group) == 1 and left_padding == 0 and layout == "contiguous":
         return x
     if torch.compiler.is_compiling() and _group.world_size(group) > 1:

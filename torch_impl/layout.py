@@ -11,7 +11,9 @@ and Megatron's). `jax_reference` defines the semantics of both.
 
 `ShardPlan` is the one answer to "which global rows does rank r hold, and which keys does a layer
 reaching h tokens back give each of its chunks": the transport, torch_impl.hf, the baselines and
-the benchmarks ask it instead of computing offsets themselves.
+the benchmarks ask it instead of computing offsets themselves. A reach is one int for every chunk,
+or one per global chunk (packed documents: `document_reach`, how far back each chunk's first
+document began), so that a chunk whose document starts late fetches only that document's keys.
 """
 
 from typing import NamedTuple
@@ -95,17 +97,50 @@ class ShardPlan(NamedTuple):
         """One past the rank's last global row: its queries' causal prefix is rows [0, end)."""
         return (max(self.chunks) + 1) * self.chunk_len
 
+    @property
+    def num_chunks(self):
+        """How many chunks the whole sequence has (n contiguous, 2n head_tail)."""
+        return self.n if self.layout == "contiguous" else 2 * self.n
+
     def windows(self, reach=None, left_padding=0):
         """Per local chunk, its Window for a layer that reaches `reach` tokens back (a window W:
-        W - 1; a conv of kernel K: K - 1; None: the whole causal prefix, keys from row 0), with the
-        segments of gather_halo(x, reach, left_padding)'s output."""
+        W - 1; a conv of kernel K: K - 1; None: the whole causal prefix, keys from row 0; a
+        sequence: reach[c] for global chunk c), with the segments of gather_halo(x, reach,
+        left_padding)'s output."""
         C, row, out = self.chunk_len, 0, []
         for k, c in enumerate(self.chunks):
             start = c * C
-            first_key = 0 if reach is None else start - min(start, reach)
+            h = reach if reach is None or isinstance(reach, int) else reach[c]
+            first_key = 0 if h is None else start - min(start, h)
             length = left_padding + start - first_key + C
             out.append(
                 Window(c, slice(k * C, (k + 1) * C), start, first_key, start + C, slice(row, row + length))
             )
             row += length
         return tuple(out)
+
+
+def document_starts(documents):
+    """int64 [B, T]: for each position, the first position of its document, where documents (int
+    [B, T]) numbers each row's documents as runs of equal ids (transformers'
+    find_packed_sequence_indices). A document cut off at position 0 starts there."""
+    T = documents.shape[1]
+    begins = torch.ones_like(documents, dtype=torch.bool)  # [B, T]
+    begins[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    rows = torch.arange(T, device=documents.device).expand_as(documents)
+    return torch.where(begins, rows, 0).cummax(dim=1).values  # [B, T]
+
+
+def document_reach(documents, chunk_len):
+    """Per global chunk c of chunk_len tokens, how many tokens before its first one (row c*C) that
+    token's document began, the largest over the batch's rows: a tuple of Python ints, the same on
+    every rank that holds the same documents (int [B, S] in global order, runs of equal ids).
+
+    A full attention layer's chunk c sees nothing before row c*C - reach[c] (every later query's
+    document starts no earlier); a window W's chunk nothing before c*C - min(reach[c], W - 1).
+    """
+    if documents.shape[1] > 1 and bool((documents[:, 1:] < documents[:, :-1]).any()):
+        raise ValueError("`documents` must be non-decreasing along each row (each document one run of ids)")
+    firsts = document_starts(documents)[:, ::chunk_len]  # [B, chunks]: at each chunk's first row
+    starts = torch.arange(0, documents.shape[1], chunk_len, device=documents.device)  # [chunks]
+    return tuple((starts - firsts).amax(dim=0).tolist())

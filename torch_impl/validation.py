@@ -4,12 +4,12 @@ Local checks run on every call and raise `ValueError` before any communication.
 
 Cross-rank validation (`validate=True`, or the environment variable CP_TRANSPORT_VALIDATE=1 for
 every call that leaves `validate` as None) first exchanges each rank's signature in one all-gather
-of a few int64s: the function called, and x's ndim, shape, dtype and device type, halo_size,
-left_padding and the layout, and whether the rank's own checks passed. Ranks that disagree on
-anything but left_padding (a local padding that may differ per rank) raise `ValueError` on every
-rank, naming them and their values, where the transport would otherwise hang or return garbage; a
-rank whose own arguments are wrong raises its own error after the exchange, and its peers raise one
-naming it.
+of a few int64s: the function called, and x's ndim, shape, dtype and device type, halo_size (a
+checksum when it is one per chunk), left_padding and the layout, and whether the rank's own checks
+passed. Ranks that disagree on anything but left_padding (a local padding that may differ per
+rank) raise `ValueError` on every rank, naming them and their values, where the transport would
+otherwise hang or return garbage; a rank whose own arguments are wrong raises its own error after
+the exchange, and its peers raise one naming it.
 Turn it on while developing or debugging a CP setup; it costs one tiny collective per call. It is
 skipped inside torch.compile (it reads the exchanged values on the host).
 """
@@ -43,11 +43,26 @@ def check_count(name, value):
         raise ValueError(f"`{name}` must be a non-negative int, got {value!r}")
 
 
-def check_local(function, x, halo_size=None, left_padding=None, layout="contiguous"):
+def check_halo_size(halo_size, layout, world_size):
+    """One count for every chunk, or one per global chunk of the layout (n, or 2n under head_tail)."""
+    if not isinstance(halo_size, (tuple, list)):
+        check_count("halo_size", halo_size)
+        return
+    for h in halo_size:
+        check_count("halo_size", h)
+    chunks = world_size if layout == "contiguous" else 2 * world_size
+    if len(halo_size) != chunks:
+        raise ValueError(
+            f"`halo_size` must be a non-negative int or one per global chunk ({chunks} for "
+            f"layout={layout!r} over {world_size} ranks), got {halo_size!r}"
+        )
+
+
+def check_local(function, x, halo_size=None, left_padding=None, layout="contiguous", world_size=1):
     check_shard(x)
     layouts.check(layout, x.shape[1])
     if function == "gather_halo":
-        check_count("halo_size", halo_size)
+        check_halo_size(halo_size, layout, world_size)
         check_count("left_padding", left_padding)
     if function == "gather_metadata" and x.requires_grad:
         raise ValueError(
@@ -64,11 +79,12 @@ def enabled(validate):
 
 def check(function, group, validate, x, halo_size=None, left_padding=None, layout="contiguous"):
     """The local checks, preceded, when validation is on and there is CP, by the cross-rank one."""
-    if not enabled(validate) or _group.world_size(group) == 1 or torch.compiler.is_compiling():
-        check_local(function, x, halo_size, left_padding, layout)
+    n = _group.world_size(group)
+    if not enabled(validate) or n == 1 or torch.compiler.is_compiling():
+        check_local(function, x, halo_size, left_padding, layout, n)
         return
     try:
-        check_local(function, x, halo_size, left_padding, layout)
+        check_local(function, x, halo_size, left_padding, layout, n)
         error = None
     except ValueError as e:
         error = e
@@ -112,7 +128,8 @@ FIELDS = (
     "ndim",
     "dtype",  # _code(str(dtype))
     "device",  # _code(device type)
-    "halo_size",  # -1 where the call has none
+    "halo_size",  # -1 where the call has none, -2 where it is one per chunk
+    "halo_sizes",  # a checksum of the per-chunk halo sizes, -1 where there are none
     "left_padding",
     "layout",  # index in torch_impl.layout.LAYOUTS, -1 if unknown
     *(f"dim{i}" for i in range(_MAX_DIMS)),  # the shape; -1 past ndim; a checksum of any dims beyond
@@ -136,7 +153,8 @@ def encode(function, x, halo_size, left_padding, layout):
         x.dim() if tensor else -1,
         _code(str(x.dtype)) if tensor else -1,
         _code(x.device.type) if tensor else -1,
-        count(halo_size),
+        -2 if isinstance(halo_size, (tuple, list)) else count(halo_size),
+        _code(str(list(halo_size))) if isinstance(halo_size, (tuple, list)) else -1,
         count(left_padding),
         layouts.LAYOUTS.index(layout) if layout in layouts.LAYOUTS else -1,
         *dims,
@@ -197,7 +215,8 @@ def _describe(fields):
     dtype, device = dtypes.get(fields["dtype"], "?"), devices.get(fields["device"], "?")
     text = f"{_FUNCTIONS[fields['function']]} of shape {shape} {dtype} on {device}"
     if fields["function"] == _FUNCTIONS.index("gather_halo"):
-        text += f", halo_size={fields['halo_size']}, left_padding={fields['left_padding']}"
+        halo = fields["halo_size"] if fields["halo_size"] != -2 else f"per chunk #{fields['halo_sizes']:x}"
+        text += f", halo_size={halo}, left_padding={fields['left_padding']}"
     if fields["layout"] != 0:  # contiguous, the default, goes unsaid
         text += f", layout={layouts.LAYOUTS[fields['layout']] if fields['layout'] > 0 else '?'}"
     return text
