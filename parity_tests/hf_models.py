@@ -156,7 +156,9 @@ def build(name, dtype=torch.float64, seed=0, head_dim=8):
     return _configs(head_dim)[name]().to(dtype)
 
 
-DOCUMENTS = ((5, 7, 12), (9, 15))  # per row: document lengths; starts 0, 5, 12 and 0, 9
+# per row: document lengths; starts 0, 5, 12, 13, 23 (12: a shard edge for n = 2, 4; one-token
+# documents at 12 and at the last token) and 0, 9 (9 .. 23 spans three shards for n = 4)
+DOCUMENTS = ((5, 7, 1, 10, 1), (9, 15))
 
 
 def make_packed_batch(with_mask=False, seed=2):

@@ -90,8 +90,8 @@ MUTATIONS = [
     Mutation(
         "document_ids_one_token_late",
         "torch_impl/hf/inputs.py",
-        "documents = find_packed_sequence_indices(everywhere)  #",
-        "documents = F.pad(find_packed_sequence_indices(everywhere)[:, :-1], (1, 0))  #",
+        "ids = find_packed_sequence_indices(everywhere)  #",
+        "ids = F.pad(find_packed_sequence_indices(everywhere)[:, :-1], (1, 0))  #",
         ("parity_tests/test_hf.py", "-k", "head_tail_packed and deepseek"),
     ),
     Mutation(

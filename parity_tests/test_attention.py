@@ -198,6 +198,81 @@ def test_tile_plan_covers_every_visible_pair_exactly_once(L, h, window, masked):
     assert covered.max() <= 1 and torch.equal(covered.bool() & visible, visible)
 
 
+def packed_documents(B, T, seed):
+    """int [B, T]: runs of ids, documents of 1 to 9 tokens (one-token ones included)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(B):
+        lengths = torch.randint(1, 10, (T,), generator=gen)
+        rows.append(torch.repeat_interleave(torch.arange(T), lengths)[:T])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("window", [None, 3, 13])
+@pytest.mark.parametrize("L,h", [(1, 0), (16, 0), (16, 5), (13, 47)])
+def test_tile_plan_skips_tiles_across_documents(L, h, window):
+    """With packed documents' spans: no tile lies wholly outside every query's document, every
+    pair a query sees (in some row of the batch) is in exactly one tile, and a tile is unmasked
+    ("full", "causal") only where each row's queries see it whole (the square: causally)."""
+    T, block = h + L, 4
+    for seed in range(4):
+        docs = packed_documents(2, T, seed)
+        spans = attention.tiles.document_spans(docs, L, block)
+        rule = attention.mask_mod(h, 0, window, docs, None)
+        b = torch.arange(2)[:, None, None]
+        covered = torch.zeros(L, T, dtype=torch.long)
+        for q0, q1, tiles in attention.tile_plan(L, T, window, block, False, spans):
+            for t in tiles:
+                pairs = rule(b, 0, torch.arange(q0, q1)[None, :, None], torch.arange(t.k0, t.k1)[None, None])
+                assert pairs.any(), (seed, t)
+                if t.kind == "full":
+                    assert pairs.all(), (seed, t)
+                elif t.kind == "causal":
+                    assert torch.equal(pairs, torch.ones_like(pairs[0]).tril().expand_as(pairs)), (seed, t)
+                else:
+                    assert (q1 - q0) <= block and t.k1 - t.k0 <= block, t
+                covered[q0:q1, t.k0 : t.k1] += 1
+        visible = rule(b, 0, torch.arange(L)[None, :, None], torch.arange(T)[None, None]).any(0)
+        assert covered.max() <= 1 and torch.equal(covered.bool() & visible, visible)
+
+
+def test_a_skipped_tile_is_never_computed():
+    """The fused CPU op sees only the planned tiles' keys, forward and backward: on packed rows
+    whose queries' documents start late, a fraction of the unskipped plan's, and exact."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class KeyRows(TorchDispatchMode):
+        rows = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "flash_attention_for_cpu" in str(func):
+                KeyRows.rows += args[2].shape[2]  # the tile's keys (forward and backward: args[2])
+            return func(*args, **(kwargs or {}))
+
+    L, T, block = 512, 2048, attention.tiles.BLOCK["masked"]
+    docs = torch.cat([torch.zeros(T - 600, dtype=torch.long), torch.ones(600, dtype=torch.long)])[None]
+    docs = docs.expand(2, -1).clone()  # every query's document starts at key row T - 600
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, L, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, 1, T, 8, generator=gen, requires_grad=True) for _ in range(2))
+    with KeyRows():
+        out = attention.causal_attention(q, k, v, T - L, 0, documents=docs)
+        out.sum().backward()
+    spans = attention.tiles.document_spans(docs, L, block)
+    planned = sum(
+        t.k1 - t.k0 for _, _, tiles in attention.tile_plan(L, T, None, block, False, spans) for t in tiles
+    )
+    unskipped = sum(
+        t.k1 - t.k0 for _, _, tiles in attention.tile_plan(L, T, None, block, True) for t in tiles
+    )
+    assert KeyRows.rows == 2 * planned and planned < unskipped / 2, (KeyRows.rows, planned, unskipped)
+    want = brute_force(q.double(), k.double(), v.double(), T - L, 0, None, 8**-0.5, docs, None)
+    c = 2 * (2 * 600 + 8)  # as the float32 test above: sums over a query's 600 keys, D = 8 products
+    bounds.check(
+        (out.double() - want).abs().max(), c * bounds.u(torch.float32) * v.abs().max().item(), "output"
+    )
+
+
 def test_memory_is_bounded_no_tensor_grows_with_L_times_T():
     """Every tensor made in forward and backward, counted by a dispatch mode: the largest holds far
     fewer than L * T elements (the dense path's mask alone has B * L * T; its scores B * H * L * T)."""

@@ -144,3 +144,18 @@ def document_reach(documents, chunk_len):
     firsts = document_starts(documents)[:, ::chunk_len]  # [B, chunks]: at each chunk's first row
     starts = torch.arange(0, documents.shape[1], chunk_len, device=documents.device)  # [chunks]
     return tuple((starts - firsts).amax(dim=0).tolist())
+
+
+class Documents(NamedTuple):
+    """A batch's packed documents, the same on every CP rank (built from the gathered positions)."""
+
+    ids: torch.Tensor  # int [B, S] by global row: runs of equal ids, one per document
+    reach: tuple | None  # per global chunk, document_reach(ids, C); None: unknown (inside torch.compile)
+
+    def layer_reach(self, window=None):
+        """How far back a layer's chunks fetch (ShardPlan.windows' reach): for a window W, W - 1
+        capped per chunk by its document's start; None (full attention): the document's start."""
+        full = None if window is None else window - 1
+        if self.reach is None:
+            return full
+        return self.reach if full is None else tuple(min(d, full) for d in self.reach)

@@ -16,6 +16,9 @@ kernel's workspace; no path builds a mask or score matrix that grows with L * T.
 | CPU    | all                                        | `TiledAttention`: query blocks over key tiles (the  |
 |        |                                            | CPU flash op), merged by log-sum-exp, exact backward|
 
+Packed documents cost what they need: the CPU tiles skip every tile that no query's document
+reaches and leave tiles inside one document unmasked (`tile_plan`'s spans); on CUDA,
+create_block_mask marks such blocks empty (flex_attention skips them) or full (no mask_mod call).
 The CUDA rows are PyTorch's own fused kernels (`parity_tests/test_cuda.py` checks them against the
 CPU tiles, `make gpu-check`). Modules: `rule` (the visibility rule and the arguments' checks),
 `kernels` (`causal_attention` and the kernel table), `tiles` (the CPU tiles), `sparse_mla`

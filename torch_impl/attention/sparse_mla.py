@@ -8,9 +8,9 @@ def sparse_mla_attention(query, latents, kv_weight, indices, valid, *, nope_dim,
     """MLA attention in absorbed (MQA) form over the keys each query selected; differentiable.
 
     query: [B, H, L, dn + dr], each head's nope part then its rope part; latents: [B, T, r + dr], a
-    token's MLA latent (kv_lora_rank r) then its rope key, at global rows 0 .. T-1; kv_weight:
-    [H * (dn + dv), r], `kv_b_proj.weight` (head h's key rows, then its value rows); indices: int
-    [B, L, k], the key rows each query selected; valid: bool [B, L, k], which of them it may see.
+    token's MLA latent (kv_lora_rank r) then its rope key, for T keys; kv_weight: [H * (dn + dv),
+    r], `kv_b_proj.weight` (head h's key rows, then its value rows); indices: int [B, L, k], the
+    rows of latents each query selected; valid: bool [B, L, k], which of them it may see.
 
     Equal to the model's expanded form (K = kv_b_proj(latent) | rope key, V likewise) under the
     mask "visible and selected", but no per-head K or V exists: per block of queries,

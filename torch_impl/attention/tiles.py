@@ -1,6 +1,7 @@
 """The CPU kernel: query blocks over key tiles (the CPU flash op where a tile is fully visible or
 diagonal, explicit scores under a block-sized mask otherwise), merged by log-sum-exp, with an exact
-backward that recomputes each tile."""
+backward that recomputes each tile. Packed documents' tiles that no query's document reaches are
+never computed."""
 
 import math
 from typing import NamedTuple
@@ -8,6 +9,7 @@ from typing import NamedTuple
 import torch
 
 from torch_impl.attention.rule import mask_mod, repeat_kv
+from torch_impl.layout import document_starts
 
 # CPU tiles: query rows per block (and key rows per tile that needs a mask), measured fastest here
 BLOCK = {"global": 1024, "window": 256, "masked": 512}
@@ -23,27 +25,38 @@ class Tile(NamedTuple):
     kind: str  # "full": every pair visible; "causal": the diagonal square; "masked": mask_mod's mask
 
 
-def tile_plan(L, T, window, block, masked):
-    """Every tile of the attention, grouped by query block: a pure function of the shapes.
+def tile_plan(L, T, window, block, masked, spans=None):
+    """Every tile of the attention, grouped by query block: a pure function of the shapes (and,
+    for packed documents, of where they start).
 
     Query block [q0, q1) owns key rows [q0 + off, q1 + off) (off = T - L: its own positions),
     the "causal" diagonal tile; keys before those come in tiles of `block` rows going left, until
     the window or row 0 ends them. Without data masks (`masked` False) a tile every query fully
-    sees is "full" and the full tiles of a block merge into one; with documents or padding every
-    tile is "masked" and keeps its `block` rows, so that no mask exceeds block x block.
+    sees is "full" and the full tiles of a block merge into one; with padding (or documents not
+    given as spans) every tile is "masked" and keeps its `block` rows, so that no mask exceeds
+    block x block. spans: per query block, (earliest, latest) key rows: the start of its first
+    query's document (the least over the batch) and of its last query's (the most). Keys before
+    `earliest` are in no query's document and get no tile; a tile from `latest` on lies in every
+    query's document and stays unmasked; the tiles between are masked.
     Returns a tuple of (q0, q1, tiles) per query block.
     """
     off, plan = T - L, []
-    for q0 in range(0, L, block):
+    for i, q0 in enumerate(range(0, L, block)):
         q1 = min(q0 + block, L)
         lo = 0 if window is None else max(0, q0 + off - window + 1)  # the first key any of them sees
-        banded = masked or window is not None and q1 - q0 > window  # the window cuts the square too
+        earliest, latest = (0, 0) if spans is None else spans[i]
+        lo = max(lo, earliest)
+
+        def cut(k0, latest=latest):  # some query of the block sees only part of the tile from k0
+            return masked or k0 < latest
+
+        banded = cut(q0 + off) or window is not None and q1 - q0 > window  # the window cuts the square too
         tiles = [Tile(q0, q1, q0 + off, q1 + off, "masked" if banded else "causal")]
         k1 = q0 + off
         while k1 > lo:
             k0 = max(lo, k1 - block)
             full = window is None or (q1 - 1 + off) - k0 < window  # the last query still sees k0
-            kind = "full" if full and not masked else "masked"
+            kind = "full" if full and not cut(k0) else "masked"
             if kind == "full" and tiles[-1].kind == "full":
                 tiles[-1] = tiles[-1]._replace(k0=k0)
             else:
@@ -62,6 +75,20 @@ def _tile_mask(tile, visible, dtype, device):
     seen = visible.rule(batch, None, rows, cols)  # bool [B or 1, nq, nk]
     mask = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, -math.inf)
     return mask[:, None], seen.any(-1)[:, None]
+
+
+def document_spans(documents, L, block):
+    """tile_plan's spans from documents (int [B, T] per key row, the last L rows the queries'), or
+    None where a document's ids are not one run (ids that decrease somewhere): then every tile is
+    masked. One host read."""
+    if documents.shape[1] > 1 and bool((documents[:, 1:] < documents[:, :-1]).any()):
+        return None
+    off, starts = documents.shape[1] - L, document_starts(documents)  # [B, T]
+    firsts = [off + q0 for q0 in range(0, L, block)]
+    lasts = [off + min(q0 + block, L) - 1 for q0 in range(0, L, block)]
+    earliest = starts[:, firsts].amin(dim=0).tolist()
+    latest = starts[:, lasts].amax(dim=0).tolist()
+    return tuple(zip(earliest, latest, strict=True))
 
 
 class _Visible(NamedTuple):
@@ -110,7 +137,9 @@ class TiledAttention(torch.autograd.Function):
         masked = documents is not None or padding is not None  # masks that differ per row
         visible = _Visible(mask_mod(q_start, k_start, window, documents, padding), B if masked else 1)
         block = BLOCK["window" if window is not None else "masked" if masked else "global"]
-        plan = tile_plan(L, key.shape[2], window, block, masked)
+        spans = None if documents is None else document_spans(documents, L, block)
+        masked_tiles = padding is not None or documents is not None and spans is None
+        plan = tile_plan(L, key.shape[2], window, block, masked_tiles, spans)
         work = torch.float64 if query.dtype == torch.float64 else torch.float32  # merging precision
         out = query.new_empty(B, H, L, D)  # [B, H, L, D]
         lse = query.new_empty(B, H, L, dtype=work)  # [B, H, L]

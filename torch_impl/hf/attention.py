@@ -1,6 +1,7 @@
 """Full and sliding-window attention layers: the registered attention and mask functions.
 
-Rank r's keys arrive by `fetch_keys` (full: gather_sequence; a window W: gather_halo(W - 1)) as a
+Rank r's keys arrive by `fetch_keys` (full: gather_sequence; a window W: gather_halo(W - 1); packed
+documents: gather_halo of each chunk's reach back to its document's start) as a
 `Keys` value that says, per chunk the rank holds (torch_impl.layout.ShardPlan: one contiguous, two
 under head_tail), which of its rows that chunk attends over; each chunk's queries attend over them
 at their global rows through torch_impl.attention, or, for layers whose math it does not compute,
@@ -90,25 +91,30 @@ class Keys(NamedTuple):
     windows: tuple  # per local chunk: (ShardPlan Window, slice of its keys' rows in key/value/padding)
 
 
-def fetch_keys(group, shard, key, value, padding, window):
+def fetch_keys(group, shard, key, value, padding, window, documents=None):
     """This rank's keys, values and padding mask for a layer (key/value [B, Hkv, L, D], padding bool
     [B, L] or None): full attention (window None) gathers the sequence in global order, and each
     chunk attends over its rows [0, end); a window W fetches gather_halo(W - 1), one segment per
-    chunk (its min(start, W - 1) tokens before it, then the chunk), the chunk's keys."""
+    chunk (its min(start, W - 1) tokens before it, then the chunk), the chunk's keys. With packed
+    documents (torch_impl.layout.Documents) both fetch gather_halo of each chunk's reach instead:
+    nothing before the start of the document that holds the chunk's first token."""
     layout = shard.layout
+    reach = None if window is None else window - 1
+    if documents is not None:
+        reach = documents.layer_reach(window)
 
     def seq(t):  # [B, Hkv, L, D] -> [B, L, Hkv, D], the sequence on dim 1 as the transport takes it
         return t.transpose(1, 2)
 
-    if window is None:
+    if reach is None:
         key = seq(gather_sequence(seq(key), group, layout=layout))  # [B, Hkv, S, D]
         value = seq(gather_sequence(seq(value), group, layout=layout))  # [B, Hkv, S, D]
         padding = None if padding is None else gather_metadata(padding, group, layout=layout)  # [B, S]
         return Keys(key, value, padding, tuple((w, w.keys) for w in shard.windows()))
-    key = seq(gather_halo(seq(key), group, window - 1, layout=layout))  # [B, Hkv, sum_k (h_k + C), D]
-    value = seq(gather_halo(seq(value), group, window - 1, layout=layout))
-    padding = None if padding is None else gather_halo(padding, group, window - 1, layout=layout)
-    return Keys(key, value, padding, tuple((w, w.segment) for w in shard.windows(window - 1)))
+    key = seq(gather_halo(seq(key), group, reach, layout=layout))  # [B, Hkv, sum_k (h_k + C), D]
+    value = seq(gather_halo(seq(value), group, reach, layout=layout))
+    padding = None if padding is None else gather_halo(padding, group, reach, layout=layout)
+    return Keys(key, value, padding, tuple((w, w.segment) for w in shard.windows(reach)))
 
 
 def attend(module, query, key, value, padding, documents, w, window, **kwargs):
@@ -191,13 +197,15 @@ def attention(module, query, key, value, attention_mask, **kwargs):
         return indexed_attention(module, query, key, value, attention_mask, **kwargs)
     check_call(module, attention_mask)
     padding, window = attention_mask
-    documents = kwargs.pop(DOCUMENTS, None)  # [B, S] for packed sequences, from ModelInputs
+    documents = kwargs.pop(
+        DOCUMENTS, None
+    )  # packed sequences (torch_impl.layout.Documents), from ModelInputs
     plan = module.context_parallel
     n, r = _group.world_size(plan.group), _group.rank(plan.group)
-    keys = fetch_keys(
-        plan.group, ShardPlan.of(plan.layout, n, r, query.shape[2]), key, value, padding, window
-    )
-    return attend_windows(module, query, keys, documents, window, **kwargs)
+    shard = ShardPlan.of(plan.layout, n, r, query.shape[2])
+    keys = fetch_keys(plan.group, shard, key, value, padding, window, documents)
+    ids = None if documents is None else documents.ids
+    return attend_windows(module, query, keys, ids, window, **kwargs)
 
 
 def attend_windows(module, query, keys, documents, window, **kwargs):

@@ -28,8 +28,24 @@ class IndexedContext:
         self.shard = ShardPlan.of(layout, _group.world_size(group), _group.rank(group), local_len)
         self.group, self.local_len, self.layout = group, local_len, layout
         self.rows = self.shard.rows()  # int64 [L]: the queries' global rows
-        self.end = self.shard.end  # keys 0 .. end - 1: the causal prefix of them all
-        self.padding, self.documents = padding, documents  # bool / int [B, S] by global position, or None
+        self.padding = padding  # bool [B, S] by global position, or None
+        self.documents = None if documents is None else documents.ids  # int [B, S], or None
+        self.reach = None if documents is None else documents.reach  # per global chunk, or None
+        self.key_rows, self.keep = self._keys()
+
+    def _keys(self):
+        """(int64 [T]: the global rows of the keys `prefix` returns, ascending; the positions of
+        gather_halo's output that hold them, or None for all): the causal prefix [0, end), or with
+        packed documents the union of the chunks' windows back to their documents' starts."""
+        if self.reach is None:
+            return torch.arange(self.shard.end), None
+        position = {}  # global row -> its first position in gather_halo's output
+        for w in self.shard.windows(self.reach):
+            for i, row in enumerate(range(w.first_key, w.end)):
+                position.setdefault(row, w.segment.start + i)
+        rows = sorted(position)
+        keep = [position[row] for row in rows]
+        return torch.tensor(rows), None if keep == list(range(len(keep))) else torch.tensor(keep)
 
     def __getitem__(self, index):
         return self
@@ -47,13 +63,22 @@ class IndexedContext:
         return ok
 
     def prefix(self, x):
-        """x: [B, L, ...] on every rank -> [B, end, ...]: the causal prefix of this rank's queries,
-        global rows 0 .. end - 1; contiguous: (r+1)*L rows received point to point (gather_halo
-        with a halo of every earlier row); head_tail: the sequence gathered (its tail's prefix is
-        most of it), cut at end."""
+        """x: [B, L, ...] on every rank -> [B, T, ...]: the keys this rank's queries may see, at the
+        global rows `key_rows`. Contiguous: the causal prefix 0 .. (r+1)*L - 1 received point to
+        point (gather_halo with a halo of every earlier row); head_tail: the sequence gathered (its
+        tail's prefix is most of it), cut at end; packed documents: gather_halo of each chunk's
+        reach back to its document's start (head_tail: the two windows' union)."""
+        if self.reach is not None:
+            halo = gather_halo(x, self.group, self.reach, layout=self.layout)  # per chunk: window, chunk
+            return halo if self.keep is None else halo[:, self.keep.to(x.device)]
         if self.layout == "contiguous":
             return gather_halo(x, self.group, (_group.world_size(self.group) - 1) * self.local_len)
-        return gather_sequence(x, self.group, layout=self.layout)[:, : self.end]  # a tail needs it all
+        return gather_sequence(x, self.group, layout=self.layout)[:, : self.shard.end]  # a tail needs it all
+
+    def positions(self, indices):
+        """Global key rows (in key_rows) -> their positions in `prefix`'s output."""
+        rows = self.key_rows.to(indices.device)
+        return torch.searchsorted(rows, indices).clamp_max(len(rows) - 1)  # [B, L, k]
 
 
 class _Keys:
@@ -92,12 +117,12 @@ class BlockedIndexer:
         own = _Keys()
         ones = hidden_states.new_ones((B, L, 1), dtype=torch.bool)  # a mask over that single key
         super().forward(hidden_states, q_resid, position_embeddings, ones, position_ids, past_key_values=own)
-        keys = _Keys(context.prefix(own.computed))  # [B, (r+1)*L, Di]
-        T, query_rows = context.end, context.rows.to(cos.device)
+        keys = _Keys(context.prefix(own.computed))  # [B, T, Di]
+        key_rows, query_rows = context.key_rows.to(cos.device), context.rows.to(cos.device)
         selected = []
         for q0 in range(0, L, self.query_block):
             queries = query_rows[q0 : q0 + self.query_block]
-            mask = context.visible(queries[None, :, None], torch.arange(T, device=cos.device)[None, None])
+            mask = context.visible(queries[None, :, None], key_rows[None, None])
             mask = mask.expand(B, -1, -1)  # [B, nq, T]
             selected.append(
                 super().forward(
@@ -108,8 +133,8 @@ class BlockedIndexer:
                     rows(position_ids, q0),
                     past_key_values=keys,
                 )
-            )  # [B, nq, k]
-        return torch.cat(selected, dim=1)
+            )  # [B, nq, k]: positions among the T keys
+        return key_rows.to(selected[0].dtype)[torch.cat(selected, dim=1).long()]  # [B, L, k]: global rows
 
 
 class AbsorbedMLA:
@@ -146,9 +171,10 @@ def indexed_attention(module, query, key, value, context, indices=None, scaling=
        `scaling`, over the selected keys that the query may see.
     Returns ([B, L, H, dv], None).
     """
-    prefix = context.prefix(torch.cat([key, value], dim=-1)[:, 0])  # [B, (r+1)*L, r + dr]
+    prefix = context.prefix(torch.cat([key, value], dim=-1)[:, 0])  # [B, T, r + dr] at key_rows
     queries = context.rows.to(query.device)[None, :, None]  # [1, L, 1]: global rows
     valid = context.visible(queries, indices.long())  # [B, L, k]
     weight, nope_dim = module.kv_b_proj.weight, module.qk_nope_head_dim  # [H * (dn + dv), r]
-    out = sparse_mla_attention(query, prefix, weight, indices, valid, nope_dim=nope_dim, scale=scaling)
+    picks = context.positions(indices.long())  # [B, L, k]: rows of prefix
+    out = sparse_mla_attention(query, prefix, weight, picks, valid, nope_dim=nope_dim, scale=scaling)
     return out, None  # [B, L, H, dv]
