@@ -9,9 +9,9 @@ The model is Gemma 3's text model in the demo's layout (5 sliding-window layers,
 global one; one KV head), at hidden size 256 (4 heads of 64), vocabulary 256, float32 (`--layers`,
 `--hidden`, `--heads`, `--head-dim`, `--vocab`, `--intermediate` set other shapes: `make gpu-check`
 runs Gemma-3-1B's), with activation checkpointing (`hf.checkpoint_kwargs()`). `--model deepseek_v32`
-is DeepSeek V3.2's sparse attention instead (`build_dsa`: 2 layers, MLA with 16 heads, an indexer
-picking `--topk` keys per query; variants alone, torch_impl and allgather). Per tokens-per-rank L
-(global S = n * L), one forward+backward of:
+is DeepSeek V3.2's sparse attention instead (`cp_support.models.capacity_dsa`: 2 layers, MLA with
+16 heads, an indexer picking `--topk` keys per query; variants alone, torch_impl and allgather).
+Per tokens-per-rank L (global S = n * L), one forward+backward of:
 
   alone       the plain model on the rank's L tokens, no CP: what the rank's own tokens cost
   torch_impl  torch_impl.hf: halos and gathers, then torch_impl.attention (no [L, T] mask)
@@ -39,62 +39,9 @@ import torch
 import torch.distributed as dist
 
 from cp_support.memory import peak_mib, reset_peak
+from cp_support.models import capacity_model
 
 VARIANTS = ("alone", "torch_impl", "dense", "allgather")
-
-
-def build_model(args, max_positions):
-    import transformers as tf
-
-    torch.manual_seed(0)
-    if args.model == "deepseek_v32":
-        return build_dsa(args, max_positions)
-    layer_types = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(args.layers)]
-    head_dim = args.head_dim or args.hidden // args.heads
-    config = tf.Gemma3TextConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate or 3 * args.hidden,
-        num_hidden_layers=len(layer_types),
-        layer_types=layer_types,
-        num_attention_heads=args.heads,
-        num_key_value_heads=1,
-        head_dim=head_dim,
-        query_pre_attn_scalar=head_dim,
-        sliding_window=args.window,
-        max_position_embeddings=max_positions,
-        attn_implementation="sdpa",
-    )
-    return tf.Gemma3ForCausalLM(config)
-
-
-def build_dsa(args, max_positions):
-    """DeepSeek V3.2's sparse attention in both layers (dense MLPs), MLA at hidden 512 with 16 heads
-    (nope 128 + rope 64, v 128, latents of 512 + 64), 8 indexer heads of 64, top-k `--topk` (256:
-    S / 64 at L = 2048, n = 8)."""
-    import transformers as tf
-
-    config = tf.DeepseekV32Config(
-        vocab_size=args.vocab,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=2,
-        first_k_dense_replace=2,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        q_lora_rank=128,
-        kv_lora_rank=512,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=128,
-        v_head_dim=128,
-        index_n_heads=8,
-        index_head_dim=64,
-        index_topk=args.topk,
-        max_position_embeddings=max_positions,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-    return tf.DeepseekV32ForCausalLM(config)
 
 
 def prepare(variant, args, L, device):
@@ -108,7 +55,7 @@ def prepare(variant, args, L, device):
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=args.n - 1, world_size=args.n)
     with torch.device(device):
-        model = build_model(args, args.n * L).to(dtype)
+        model = capacity_model(args, args.n * L).to(dtype)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs=hf.checkpoint_kwargs())
     model.train()
     gen = torch.Generator().manual_seed(0)

@@ -1,5 +1,6 @@
-"""The main job's small transformers models (Gemma 3, LFM2, DeepSeek V3.2) from configs, with random
-weights: examples.train trains them, the benchmarks measure them."""
+"""The small transformers models (Gemma 3, LFM2, DeepSeek V3.2) from configs, with random weights:
+the main job's (examples.train trains them, the benchmarks measure them) and the one-rank
+benchmarks' (`capacity_model`: benchmarks.rank_capacity, benchmarks.packed_rows)."""
 
 import torch
 
@@ -56,3 +57,60 @@ def build_model(name, seq_len, window, dtype, seed=0):
     else:
         raise ValueError(f"`--model` must be gemma3, lfm2 or deepseek_v32, got {name!r}")
     return model.to(dtype)
+
+
+def capacity_model(args, max_positions):
+    """The benchmarks' one-rank model from their command-line `args`: Gemma 3's text model in the
+    demo's layout (5 sliding layers then a global one, one KV head) at args' sizes, or (`--model
+    deepseek_v32`) capacity_dsa."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if args.model == "deepseek_v32":
+        return capacity_dsa(args, max_positions)
+    layer_types = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(args.layers)]
+    head_dim = args.head_dim or args.hidden // args.heads
+    config = tf.Gemma3TextConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate or 3 * args.hidden,
+        num_hidden_layers=len(layer_types),
+        layer_types=layer_types,
+        num_attention_heads=args.heads,
+        num_key_value_heads=1,
+        head_dim=head_dim,
+        query_pre_attn_scalar=head_dim,
+        sliding_window=args.window,
+        max_position_embeddings=max_positions,
+        attn_implementation="sdpa",
+    )
+    return tf.Gemma3ForCausalLM(config)
+
+
+def capacity_dsa(args, max_positions):
+    """DeepSeek V3.2's sparse attention in both layers (dense MLPs), MLA at hidden 512 with 16 heads
+    (nope 128 + rope 64, v 128, latents of 512 + 64), 8 indexer heads of 64, top-k `--topk` (256:
+    S / 64 at L = 2048, n = 8)."""
+    import transformers as tf
+
+    config = tf.DeepseekV32Config(
+        vocab_size=args.vocab,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=2,
+        first_k_dense_replace=2,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        q_lora_rank=128,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        index_n_heads=8,
+        index_head_dim=64,
+        index_topk=args.topk,
+        max_position_embeddings=max_positions,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    return tf.DeepseekV32ForCausalLM(config)
