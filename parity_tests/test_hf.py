@@ -93,17 +93,6 @@ def test_head_tail_layout_equals_one_process(pool, name, n):
         assert_path(group_results, name, chunks=2)
 
 
-@pytest.mark.parametrize("name", ["gemma3", "mistral", "lfm2", "deepseek_v32"])
-def test_head_tail_packed_sequences_equal_one_process(pool, name):
-    """Packed documents under head_tail, 4 ranks: the positions are gathered in global order and
-    numbered into documents as one process numbers them."""
-    ref = packed_reference(name)
-    for group_results in pool.run(
-        ("first", 4), hf_cases.cp_step, name, "float64", ref[0], ref[1], "train_ac_saved", "head_tail"
-    ):
-        assert_matches_reference(group_results, ref, layout="head_tail")
-
-
 def test_layout_arguments_are_checked_before_any_communication():
     """An unknown layout, or a sequence that head_tail cannot cut into 2n chunks: ValueError."""
     model = hf_models.build("llama")
@@ -118,25 +107,36 @@ def test_layout_arguments_are_checked_before_any_communication():
 # --- packed sequences ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "name,n,with_mask",
-    [(name, n, False) for name in ("gemma3", "mistral", "llama", "lfm2") for n in (2, 4)]
-    + [("gemma2", 2, False), ("deepseek_v32", 2, False), ("llama", 2, True)],
-)
-def test_packed_sequences_equal_one_process(pool, name, n, with_mask):
-    """hf_models.make_packed_batch's documents start mid-shard, on a shard boundary and span shards;
-    Mistral's window (14) and Gemma 3's (10) reach across document starts, which must cut them.
-    The documents reach the attention as ids made once per forward from the gathered positions
-    (Gemma 2: through its dense-mask fallback; DeepSeek V3.2: its indexer and selected attention).
-    LFM2's convolutions mix across documents, as in one process. With an attention_mask,
-    transformers keeps the whole row causal: so does CP."""
+@pytest.mark.parametrize("layout", ["contiguous", "head_tail"])
+@pytest.mark.parametrize("name", hf_models.SUPPORTED + hf_models.INDEXED)
+def test_packed_sequences_equal_one_process(pool, name, layout):
+    """Every family on packed rows (hf_models.DOCUMENTS: documents starting mid-shard and on a
+    shard edge, one spanning three shards, one-token ones), 4 ranks, training with activation
+    checkpointing (hf.checkpoint_kwargs()). Each layer fetches only its chunks' documents' reach
+    (full layers too); Mistral's window (14) and Gemma 3's (10) reach across document starts,
+    which must cut them. The documents reach the attention as ids made once per forward from the
+    gathered positions (Gemma 2, GPT-OSS: through the dense-mask fallback; DeepSeek V3.2, GLM-5:
+    the indexer and the selected attention). LFM2's convolutions mix across documents, as in one
+    process."""
+    ref = packed_reference(name)
+    for group_results in pool.run(
+        ("first", 4), hf_cases.cp_step, name, "float64", ref.state, ref.batch, "train_ac_saved", layout
+    ):
+        assert_matches_reference(group_results, ref, layout=layout)
+
+
+@pytest.mark.parametrize("name,with_mask", [("gemma3", False), ("deepseek_v32", False), ("llama", True)])
+def test_packed_sequences_on_two_ranks(pool, name, with_mask):
+    """Two ranks, eval: the positions travel once per forward, before the layers. With an
+    attention_mask transformers keeps the whole row causal: so does CP."""
+    n = 2
     ref = packed_reference(name, with_mask)
     gathered = 0 if with_mask else 2 * (n - 1) * (hf_models.SEQ_LEN // n) * 8  # B rows of int64 positions
     gathered += check_bytes(n)
     for group_results in pool.run(("first", n), hf_cases.cp_step, name, "float64", ref[0], ref[1]):
         assert_matches_reference(group_results, ref)
         assert_path(group_results, name)
-        for res in group_results:  # once per forward, before the layers
+        for res in group_results:
             assert res["received"].get(("forward", "inputs", "int64"), 0) == gathered
 
 

@@ -39,6 +39,23 @@ class LocalMask(NamedTuple):
 
     padding: torch.Tensor | None  # bool [B, L]: this rank's 2-D padding mask (True: a token), or None
     window: int | None  # sliding window W (a query sees W keys, itself included); None: full causal
+    packed: bool = False  # transformers isolates packed documents here (the model gave it positions)
+
+
+_PACKED_CODE = packed_sequence_mask_function(torch.zeros(1, 1)).__code__
+
+
+def isolates_documents(mask_function, depth=0):
+    """Whether transformers built `mask_function` with its packed-sequence mask among the parts
+    (it does when the model hands its mask function the position_ids and they restart; GPT-OSS's
+    does not: one process then attends across documents, and so must CP)."""
+    if getattr(mask_function, "__code__", None) is _PACKED_CODE:
+        return True
+    parts = []
+    for cell in getattr(mask_function, "__closure__", None) or ():
+        value = getattr(cell, "cell_contents", None)
+        parts += list(value) if isinstance(value, tuple) else [value]  # and_masks keeps a tuple
+    return depth < 4 and any(isolates_documents(f, depth + 1) for f in parts if callable(f))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +95,8 @@ def local_mask(
             f"`{IMPLEMENTATION}` supports causal and sliding-window masks (and packed sequences) only: this "
             "model asked for a mask overlay (bidirectional or blockwise tokens, or a non-causal config)"
         )
-    return LocalMask(attention_mask, local_size)  # packed sequences: the documents come as a kwarg
+    packed = isolates_documents(kwargs.get("mask_function"))  # the documents then come as a kwarg
+    return LocalMask(attention_mask, local_size, packed)
 
 
 class Keys(NamedTuple):
@@ -196,10 +214,9 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     if isinstance(attention_mask, IndexedContext):
         return indexed_attention(module, query, key, value, attention_mask, **kwargs)
     check_call(module, attention_mask)
-    padding, window = attention_mask
-    documents = kwargs.pop(
-        DOCUMENTS, None
-    )  # packed sequences (torch_impl.layout.Documents), from ModelInputs
+    padding, window, packed = attention_mask
+    documents = kwargs.pop(DOCUMENTS, None)  # packed rows' torch_impl.layout.Documents, from ModelInputs
+    documents = documents if packed else None  # isolated only where one process isolates them
     plan = module.context_parallel
     n, r = _group.world_size(plan.group), _group.rank(plan.group)
     shard = ShardPlan.of(plan.layout, n, r, query.shape[2])
