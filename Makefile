@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-block demo-routing test parity mutants lint bench bench-quick bench-train bench-capacity gpu-check clean
+.PHONY: demo demo-block demo-routing test parity mutants lint bench bench-quick bench-train bench-capacity bench-packed gpu-check clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 parity: $(STAMP)
-	$(PY) -m pytest -q parity_tests/test_parity.py
+	$(PY) -m pytest -q parity_tests/test_parity.py parity_tests/test_parity_layouts.py
 
 mutants: $(STAMP)
 	$(PY) -m parity_tests.mutations
@@ -46,6 +46,10 @@ bench-capacity: $(STAMP)
 	$(PY) -m benchmarks.rank_capacity
 	$(PY) -m benchmarks.rank_capacity --model deepseek_v32 --variants alone,torch_impl \
 		--json out/rank_capacity_dsa.json --plot out/rank_capacity_dsa.png
+
+bench-packed: $(STAMP)
+	$(PY) -m benchmarks.packed_rows
+	$(PY) -m benchmarks.packed_rows --mixes short --ranks all --variants torch_impl --json out/packed_ranks.json
 
 # on a GPU node, with its own python and torch (no .venv: such nodes may reach no package registry)
 GPU_PY ?= python3

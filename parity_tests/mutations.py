@@ -34,7 +34,7 @@ MUTATIONS = [
         "torch_impl/sequence.py",
         "for row in range(0, blocks.shape[1], step):",
         "for row in range(0, blocks.shape[1] - step + 1, step):",
-        ("parity_tests/test_parity.py", "-k", "head_tail_sequence"),
+        ("parity_tests/test_parity_layouts.py", "-k", "head_tail_sequence"),
     ),
     Mutation(  # every value test once ran the indexer in one block
         "indexer_blocks_use_block_0_rows",
@@ -107,6 +107,45 @@ MUTATIONS = [
         "padding = gather_metadata(padding.bool(), self.group, layout=self.layout)  # [B, S]",
         "padding = None  # [B, S]",
         ("parity_tests/test_hf_indexed.py", "-k", "indexed_attention_with_left_padding and deepseek"),
+    ),
+]
+
+
+MUTATIONS += [
+    Mutation(  # packed rows' layers fetch their whole window or prefix: exact, but more bytes
+        "packed_rows_ignore_the_documents_reach",
+        "torch_impl/hf/inputs.py",
+        "reach = None if torch.compiler.is_compiling() else document_reach(ids, C)",
+        "reach = None",
+        ("parity_tests/test_hf_inputs.py", "-k", "packed_rows_move_only"),
+    ),
+    Mutation(
+        "document_reach_one_token_short",
+        "torch_impl/layout.py",
+        "return tuple((starts - firsts).amax(dim=0).tolist())",
+        "return tuple(max(0, d - 1) for d in (starts - firsts).amax(dim=0).tolist())",
+        ("parity_tests/test_hf.py", "-k", "packed_sequences_equal and (gemma3 or deepseek_v32)"),
+    ),
+    Mutation(
+        "documents_isolated_where_one_process_does_not",
+        "torch_impl/hf/attention.py",
+        "documents = documents if packed else None",
+        "documents = documents",
+        ("parity_tests/test_hf.py", "-k", "packed_sequences_equal and gpt_oss"),
+    ),
+    Mutation(
+        "tiles_skip_the_first_key_of_a_document",
+        "torch_impl/attention/tiles.py",
+        "lo = max(lo, earliest)",
+        "lo = max(lo, earliest + 1)",
+        ("parity_tests/test_attention.py", "-k", "skips_tiles or skipped_tile"),
+    ),
+    Mutation(
+        "tiles_unmasked_across_documents",
+        "torch_impl/attention/tiles.py",
+        "return masked or k0 < latest",
+        "return masked",
+        ("parity_tests/test_attention.py", "-k", "skips_tiles"),
     ),
 ]
 

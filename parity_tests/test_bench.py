@@ -87,6 +87,18 @@ def test_rank_capacity_quick_mode_runs(tmp_path):
     assert "| 256 (2048) | torch_impl |" in out
 
 
+def test_packed_rows_quick_mode_counts_the_documents_minimum(tmp_path):
+    """make bench-packed's quick mode, one rank (3 of 4) of packed rows under head_tail: the bytes
+    its layers receive per kind equal the documents' minimum (no timing or memory assertions)."""
+    json_path = tmp_path / "packed.json"
+    options = ["--quick", "--mixes", "short", "--layouts", "head_tail", "--variants", "torch_impl"]
+    out = bench("packed_rows", *options, "--json", json_path)
+    (row,) = json.loads(json_path.read_text())["rows"]
+    assert (row["layout"], row["rank"]) == ("head_tail", 3) and row["ms"] > 0
+    assert row["bytes"] == row["minimum"] and all(row["minimum"].values()), row
+    assert "| short | head_tail | 3 |" in out
+
+
 def test_gpu_check_quick_mode_runs(tmp_path):
     """make gpu-check's command at tiny shapes, here on the CPU: the CUDA tests skip (none fails),
     one rank of bench-capacity runs at 128 tokens per rank and doubles to 1024, the JSON holds it
