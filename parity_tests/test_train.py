@@ -91,25 +91,26 @@ def test_compiled_layers_with_activation_checkpointing_train():
 
 
 def test_a_difference_over_the_tolerance_fails_the_job():
-    code, out = run(["--cp", "2", "--steps", "3", *SMALL, "--reference", "--tolerance", "0"], nproc=2)
+    code, out = run(["--cp", "2", "--steps", "1", *SMALL, "--reference", "--tolerance", "0"], nproc=2)
     assert code != 0 and "DIFFERENT: largest difference" in out, out[-3000:]
 
 
 def test_resume_continues_exactly(tmp_path):
-    """A 4-step run saving after steps 2 and 4; its step-4 checkpoint removed, a run resumed from
-    step 2 to step 4: the uninterrupted run's losses, to the bit."""
+    """A 3-step run saving after every step; its step-3 and step-2 checkpoints removed, a run
+    resumed from step 1 to step 3: the uninterrupted run's losses, to the bit."""
     ckpt = tmp_path / "ckpt"
-    common = ["--dp", "2", "--cp", "2", *SMALL, "--steps", "4", "--save-dir", str(ckpt)]
-    code, out = run([*common, "--save-every", "2", "--metrics", str(tmp_path / "full.json")])
+    common = ["--dp", "2", "--cp", "2", *SMALL, "--steps", "3", "--save-dir", str(ckpt)]
+    code, out = run([*common, "--save-every", "1", "--metrics", str(tmp_path / "full.json")])
     assert code == 0, out[-3000:]
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step-000002", "step-000004"]
-    shutil.rmtree(ckpt / "step-000004")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-000001", "step-000002", "step-000003"]
+    shutil.rmtree(ckpt / "step-000003")
+    shutil.rmtree(ckpt / "step-000002")
     code, out = run([*common, "--resume", "--metrics", str(tmp_path / "resumed.json")])
     assert code == 0, out[-3000:]
-    assert "Resumed from" in out and "after step 2" in out
+    assert "Resumed from" in out and "after step 1" in out
     full = json.loads((tmp_path / "full.json").read_text())["losses"]
     resumed = json.loads((tmp_path / "resumed.json").read_text())["losses"]
-    assert resumed == {step: loss for step, loss in full.items() if int(step) > 2}
+    assert resumed == {step: loss for step, loss in full.items() if int(step) > 1}
 
 
 def test_two_nodes_on_one_machine(tmp_path):
@@ -118,7 +119,7 @@ def test_two_nodes_on_one_machine(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     launcher = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}")
-    args = ["--dp", "2", "--cp", "2", "--steps", "4", *SMALL, "--reference"]
+    args = ["--dp", "2", "--cp", "2", "--steps", "2", *SMALL, "--reference"]
     nodes = [torchrun(args, nproc=2, launcher=launcher) for _ in range(2)]
     results = [jobs.finish(node) for node in nodes]
     assert all(code == 0 for code, _ in results), [out[-2000:] for _, out in results]
