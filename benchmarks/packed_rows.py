@@ -61,7 +61,7 @@ def packed_positions(mix, S, seed=0):
 
 def minimum_bytes(positions, n, r, L, layout, config, item=4):
     """{layer kind: bytes} rank r must receive in one step on this packed row, over all the layers
-of that kind (module docstring)."""
+    of that kind (module docstring)."""
     from torch_impl.layout import ShardPlan
 
     shards = [ShardPlan.of(layout, n, q, L) for q in range(n)]
