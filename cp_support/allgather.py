@@ -65,9 +65,9 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     if isinstance(attention_mask, IndexedContext):
         return indexed_attention(module, query, key, value, attention_mask, **kwargs)
     check_call(module, attention_mask)
-    padding, window, packed = attention_mask
+    padding, window = attention_mask
     documents = kwargs.pop(hf.DOCUMENTS, None)
-    documents = documents.ids if documents is not None and packed else None  # all keys gathered anyway
+    documents = None if documents is None else documents.ids  # every key is gathered either way
     group = module.context_parallel.group
     shard = ShardPlan.of("contiguous", dist.get_world_size(group), dist.get_rank(group), query.shape[2])
     keys = fetch_keys(group, shard, key, value, padding, window)

@@ -261,8 +261,9 @@ def other_model_unaffected(group, name, state, batch):
     return before, other(**batch).logits.detach(), other.config._attn_implementation
 
 
-def compiled_layers(group, name, state, batch, backend):
-    """The CP model eager, then with every decoder layer compiled (fullgraph=True): both runs'
+def compiled_layers(group, name, state, batch, backend, checkpointing=False):
+    """The CP model eager, then with every decoder layer compiled (fullgraph=True), both with
+    activation checkpointing (hf.checkpoint_kwargs()) when asked, in train mode: both runs'
     logits and parameter grads, to compare on the host."""
     import torch._dynamo
 
@@ -272,6 +273,9 @@ def compiled_layers(group, name, state, batch, backend):
         model = hf_models.build(name)
         model.load_state_dict(state)
         hf.parallelize(model, group)
+        if checkpointing:
+            model.train()
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=hf.checkpoint_kwargs())
         if compiled:
             for layer in model.model.layers:
                 layer.compile(backend=backend, fullgraph=True)

@@ -128,9 +128,9 @@ MUTATIONS += [
     ),
     Mutation(
         "documents_isolated_where_one_process_does_not",
-        "torch_impl/hf/attention.py",
-        "documents = documents if packed else None",
-        "documents = documents",
+        "torch_impl/hf/inputs.py",
+        "if packed and isolates_documents(type(module)) is not False:",
+        "if packed:",
         ("parity_tests/test_hf.py", "-k", "packed_sequences_equal and gpt_oss"),
     ),
     Mutation(

@@ -165,6 +165,7 @@ def test_packed_documents_are_isolated():
         ("gemma3", 4, "aot_eager"),  # windows reaching two shards back: halos from two peers
         ("lfm2", 2, "aot_eager"),
         ("lfm2", 2, "inductor"),  # inductor once (slow compiles); Gemma 3's: with checkpointing, above
+        ("lfm2", 2, "aot_eager_packed_ac"),  # packed rows, checkpointing (the conv hooks keep no state)
     ],
 )
 def test_compiled_decoder_layers_match_eager(pool, name, n, backend):
@@ -174,9 +175,11 @@ def test_compiled_decoder_layers_match_eager(pool, name, n, backend):
     and head) in another order, 2 B*S*H u64. inductor generates its own kernels for the model's
     float32 steps (the RMS norms, the loss): each may round one ulp apart, as between CP and one
     process (hf_bounds)."""
-    ref = reference(name, "float64")
+    packed = backend == "aot_eager_packed_ac"  # inside torch.compile layers take their whole window
+    ref = packed_reference(name) if packed else reference(name, "float64")
+    backend = "aot_eager" if packed else backend
     (group_results,) = pool.run(
-        ("first", n), hf_cases.compiled_layers, name, ref.state, ref.batch, backend, timeout=300
+        ("first", n), hf_cases.compiled_layers, name, ref.state, ref.batch, backend, packed, timeout=300
     )
     B, S = ref.batch["input_ids"].shape
     logits_bound, _, grads_bound = hf_bounds(ref, n)

@@ -137,7 +137,8 @@ class TiledAttention(torch.autograd.Function):
         masked = documents is not None or padding is not None  # masks that differ per row
         visible = _Visible(mask_mod(q_start, k_start, window, documents, padding), B if masked else 1)
         block = BLOCK["window" if window is not None else "masked" if masked else "global"]
-        spans = None if documents is None else document_spans(documents, L, block)
+        compiling = torch.compiler.is_compiling()  # document_spans reads the ids on the host
+        spans = None if documents is None or compiling else document_spans(documents, L, block)
         masked_tiles = padding is not None or documents is not None and spans is None
         plan = tile_plan(L, key.shape[2], window, block, masked_tiles, spans)
         work = torch.float64 if query.dtype == torch.float64 else torch.float32  # merging precision

@@ -39,23 +39,6 @@ class LocalMask(NamedTuple):
 
     padding: torch.Tensor | None  # bool [B, L]: this rank's 2-D padding mask (True: a token), or None
     window: int | None  # sliding window W (a query sees W keys, itself included); None: full causal
-    packed: bool = False  # transformers isolates packed documents here (the model gave it positions)
-
-
-_PACKED_CODE = packed_sequence_mask_function(torch.zeros(1, 1)).__code__
-
-
-def isolates_documents(mask_function, depth=0):
-    """Whether transformers built `mask_function` with its packed-sequence mask among the parts
-    (it does when the model hands its mask function the position_ids and they restart; GPT-OSS's
-    does not: one process then attends across documents, and so must CP)."""
-    if getattr(mask_function, "__code__", None) is _PACKED_CODE:
-        return True
-    parts = []
-    for cell in getattr(mask_function, "__closure__", None) or ():
-        value = getattr(cell, "cell_contents", None)
-        parts += list(value) if isinstance(value, tuple) else [value]  # and_masks keeps a tuple
-    return depth < 4 and any(isolates_documents(f, depth + 1) for f in parts if callable(f))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +78,7 @@ def local_mask(
             f"`{IMPLEMENTATION}` supports causal and sliding-window masks (and packed sequences) only: this "
             "model asked for a mask overlay (bidirectional or blockwise tokens, or a non-causal config)"
         )
-    packed = isolates_documents(kwargs.get("mask_function"))  # the documents then come as a kwarg
-    return LocalMask(attention_mask, local_size, packed)
+    return LocalMask(attention_mask, local_size)  # packed sequences: the documents come as a kwarg
 
 
 class Keys(NamedTuple):
@@ -118,7 +100,7 @@ def fetch_keys(group, shard, key, value, padding, window, documents=None):
     nothing before the start of the document that holds the chunk's first token."""
     layout = shard.layout
     reach = None if window is None else window - 1
-    if documents is not None:
+    if documents is not None and not torch.compiler.is_compiling():  # compiled: no graph per batch
         reach = documents.layer_reach(window)
 
     def seq(t):  # [B, Hkv, L, D] -> [B, L, Hkv, D], the sequence on dim 1 as the transport takes it
@@ -214,9 +196,8 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     if isinstance(attention_mask, IndexedContext):
         return indexed_attention(module, query, key, value, attention_mask, **kwargs)
     check_call(module, attention_mask)
-    padding, window, packed = attention_mask
+    padding, window = attention_mask
     documents = kwargs.pop(DOCUMENTS, None)  # packed rows' torch_impl.layout.Documents, from ModelInputs
-    documents = documents if packed else None  # isolated only where one process isolates them
     plan = module.context_parallel
     n, r = _group.world_size(plan.group), _group.rank(plan.group)
     shard = ShardPlan.of(plan.layout, n, r, query.shape[2])

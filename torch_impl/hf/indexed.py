@@ -31,7 +31,18 @@ class IndexedContext:
         self.padding = padding  # bool [B, S] by global position, or None
         self.documents = None if documents is None else documents.ids  # int [B, S], or None
         self.reach = None if documents is None else documents.reach  # per global chunk, or None
-        self.key_rows, self.keep = self._keys()
+        self._trimmed = self._keys()
+
+    @property
+    def trimmed(self):
+        """Whether `prefix` fetches only the documents' reach (not inside torch.compile, where
+        each batch's reach would make a graph of its own)."""
+        return self.reach is not None and not torch.compiler.is_compiling()
+
+    @property
+    def key_rows(self):
+        """int64 [T]: the global rows of the keys `prefix` returns, ascending."""
+        return self._trimmed[0] if self.trimmed else torch.arange(self.shard.end)
 
     def _keys(self):
         """(int64 [T]: the global rows of the keys `prefix` returns, ascending; the positions of
@@ -68,9 +79,10 @@ class IndexedContext:
         point (gather_halo with a halo of every earlier row); head_tail: the sequence gathered (its
         tail's prefix is most of it), cut at end; packed documents: gather_halo of each chunk's
         reach back to its document's start (head_tail: the two windows' union)."""
-        if self.reach is not None:
+        if self.trimmed:
+            keep = self._trimmed[1]
             halo = gather_halo(x, self.group, self.reach, layout=self.layout)  # per chunk: window, chunk
-            return halo if self.keep is None else halo[:, self.keep.to(x.device)]
+            return halo if keep is None else halo[:, keep.to(x.device)]
         if self.layout == "contiguous":
             return gather_halo(x, self.group, (_group.world_size(self.group) - 1) * self.local_len)
         return gather_sequence(x, self.group, layout=self.layout)[:, : self.shard.end]  # a tail needs it all

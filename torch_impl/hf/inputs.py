@@ -10,6 +10,7 @@ from transformers.masking_utils import find_packed_sequence_indices
 
 from torch_impl import _group, validation
 from torch_impl.hf._common import DOCUMENTS, IMPLEMENTATION, INDEXED, Arguments
+from torch_impl.hf.documents import isolates_documents
 from torch_impl.hf.indexed import IndexedContext
 from torch_impl.layout import Documents, ShardPlan, document_reach
 from torch_impl.layout import check as check_layout
@@ -30,11 +31,12 @@ class ModelInputs:
 
     - position_ids: filled in with the global positions when absent. Given positions may restart
       (packed sequences); where transformers then isolates the documents (no attention_mask, no
-      cache), the positions are gathered once per forward and their document ids, numbered as
-      transformers' `find_packed_sequence_indices` numbers them over the whole sequence, and how
-      far back each chunk's first document began (torch_impl.layout.Documents), reach every
-      attention layer: the `cp_documents` kwarg (absent when nothing restarts). Layers then fetch
-      only their documents' keys.
+      cache, a model that hands its mask functions the positions: torch_impl.hf.documents), the
+      positions are gathered once per forward and their document ids, numbered as transformers'
+      `find_packed_sequence_indices` numbers them over the whole sequence, and how far back each
+      chunk's first document began (torch_impl.layout.Documents), reach every attention layer:
+      the `cp_documents` kwarg (absent when nothing restarts). Layers then fetch only their
+      documents' keys.
     - indexed_attention models get one `IndexedContext` as their mask, with the padding mask
       gathered once per forward ([B, S]) and the documents, and no cache.
     - a KV cache that already holds tokens is refused (each rank's cache would hold its own keys).
@@ -77,7 +79,8 @@ class ModelInputs:
         if error:
             raise ValueError(error)
         documents = None
-        if positions is not None and padding is None and cache is None and not creates_cache:
+        packed = positions is not None and padding is None and cache is None and not creates_cache
+        if packed and isolates_documents(type(module)) is not False:  # as one process would
             everywhere = gather_metadata(positions.expand(B, -1).contiguous(), self.group, layout=self.layout)
             ids = find_packed_sequence_indices(everywhere)  # [B, S], or None: no position restarts
             if ids is not None:

@@ -20,14 +20,24 @@ class ShortConvHalo:
 
     def __init__(self, module, group, layout="contiguous"):
         self.group, self.halo_size, self.layout = group, module.conv.kernel_size[0] - 1, layout
-        self.arguments, self.windows = Arguments(module.forward), ()
+        self.arguments = Arguments(module.forward)
+
+    def windows(self, local_len):
+        n, r = _group.world_size(self.group), _group.rank(self.group)
+        return ShardPlan.of(self.layout, n, r, local_len).windows(self.halo_size)
+
+    def local_len(self, T):
+        """The L whose halo output is T rows long (the hooks keep no state between them: a
+        compiled, checkpointed layer may not carry it out of its graph)."""
+        for L in range(max(1, T - 2 * self.halo_size), T + 1):
+            if (self.layout == "contiguous" or L % 2 == 0) and self.windows(L)[-1].segment.stop == T:
+                return L
+        raise ValueError(f"no local length gives a short-conv halo of {T} rows")
 
     def before(self, module, args, kwargs):
         x = self.arguments.get(args, kwargs, "hidden_states")  # [B, L, D]
         mask = self.arguments.get(args, kwargs, "attention_mask")  # [B, L] or None
         mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if mask is None else mask.bool()
-        n, r = _group.world_size(self.group), _group.rank(self.group)
-        self.windows = ShardPlan.of(self.layout, n, r, x.shape[1]).windows(self.halo_size)
         return self.arguments.replace(
             args,
             kwargs,
@@ -36,5 +46,5 @@ class ShortConvHalo:
         )
 
     def after(self, module, args, kwargs, output):
-        kept = [output[:, w.own] for w in self.windows]  # [B, C, D] each: the chunks' own rows
+        kept = [output[:, w.own] for w in self.windows(self.local_len(output.shape[1]))]  # [B, C, D] each
         return kept[0] if len(kept) == 1 else torch.cat(kept, dim=1)  # [B, L, D]
