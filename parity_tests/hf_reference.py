@@ -140,3 +140,17 @@ def packed_reference(name, with_mask=False):
     """One process given packed rows (a Reference): position_ids restart at every document (no
     attention_mask: transformers isolates the documents; with one: it does not)."""
     return run_reference(hf_models.build(name), hf_models.make_packed_batch(with_mask), use_cache=False)
+
+
+def layer_kinds(config):
+    """Per decoder layer: ("full", None), ("sliding", W) or ("conv", K)."""
+    kinds = []
+    for i in range(config.num_hidden_layers):
+        kind = config.layer_types[i] if getattr(config, "layer_types", None) else None
+        if kind == "conv":
+            kinds.append(("conv", config.conv_L_cache))
+        elif kind == "sliding_attention" or (kind is None and getattr(config, "sliding_window", None)):
+            kinds.append(("sliding", config.sliding_window))
+        else:
+            kinds.append(("full", None))
+    return kinds

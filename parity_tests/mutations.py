@@ -117,7 +117,7 @@ MUTATIONS += [
         "torch_impl/hf/inputs.py",
         "reach = None if torch.compiler.is_compiling() else document_reach(ids, C)",
         "reach = None",
-        ("parity_tests/test_hf_inputs.py", "-k", "packed_rows_move_only"),
+        ("parity_tests/test_hf.py", "-k", "packed_rows_move_only"),
     ),
     Mutation(
         "document_reach_one_token_short",

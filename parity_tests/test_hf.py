@@ -11,12 +11,13 @@ Every group of the grouping is checked, every rank of each.
 import pytest
 import torch
 
-from parity_tests import bounds, hf_cases, hf_models
+from parity_tests import bounds, expected, hf_cases, hf_models
 from parity_tests.hf_reference import (
     assert_matches_reference,
     assert_path,
     check_bytes,
     hf_bounds,
+    layer_kinds,
     packed_reference,
     reference,
 )
@@ -138,6 +139,55 @@ def test_packed_sequences_on_two_ranks(pool, name, with_mask):
         assert_path(group_results, name)
         for res in group_results:
             assert res["received"].get(("forward", "inputs", "int64"), 0) == gathered
+
+
+def document_reach(start):
+    """How far back from global row `start` the document holding it began, the most over the packed
+    batch's rows: brute force over hf_models.DOCUMENTS."""
+    reach = 0
+    for lengths in hf_models.DOCUMENTS:
+        ends = [sum(lengths[: i + 1]) for i in range(len(lengths))]
+        first = max([0] + [e for e in ends if e <= start])
+        reach = max(reach, start - first)
+    return reach
+
+
+@pytest.mark.parametrize(
+    "name,layout", [("gemma3", "contiguous"), ("gemma3", "head_tail"), ("lfm2", "contiguous")]
+)
+def test_packed_rows_move_only_their_documents_reach(pool, name, layout):
+    """On packed rows each attention layer's chunk receives, forward, the K and V of its window back
+    to the start of the document holding its first token (full layers too: no gather), and,
+    backward, the gradients of what it lent; LFM2's convolutions their K - 1 tokens. Counted at the
+    c10d calls, per layer and rank, against the documents' brute-force minimum."""
+    n, B = 4, len(hf_models.DOCUMENTS)
+    ref = packed_reference(name)
+    config, L = hf_models.build(name).config, hf_models.SEQ_LEN // n
+    C = L if layout == "contiguous" else L // 2
+    owner = {t: r for r in range(n) for t in expected.local_tokens(n, L, r, layout)}
+    for group_results in pool.run(
+        ("block", n), hf_cases.cp_step, name, "float64", ref.state, ref.batch, "eval", layout
+    ):
+        for index, (kind, size) in enumerate(layer_kinds(config)):
+            if kind == "conv":
+                per_token, reach = config.hidden_size * 8, lambda s, K=size: min(s, K - 1)
+            else:
+                per_token = 2 * config.num_key_value_heads * config.head_dim * 8
+                reach = lambda s, W=size: min(document_reach(s), s if W is None else W - 1)  # noqa: E731
+            windows = [  # per rank, per chunk: the global rows of its window
+                [range(s - reach(s), s) for s in expected.local_tokens(n, L, r, layout)[::C]]
+                for r in range(n)
+            ]
+            for r, res in enumerate(group_results):
+                got = {(d, dtype): v for (d, i, dtype), v in res["received"].items() if i == index and v}
+                received = sum(owner[t] != r for w in windows[r] for t in w)
+                lent = sum(owner[t] == r for q in range(n) if q != r for w in windows[q] for t in w)
+                want = {
+                    ("forward", "float64"): B * received * per_token,
+                    ("forward", "mask"): B * received if kind == "conv" else 0,  # its padding mask, all True
+                    ("backward", "float64"): B * lent * per_token,
+                }
+                assert got == {k: v for k, v in want.items() if v}, (index, kind, r, got, want)
 
 
 def test_packed_documents_are_isolated():

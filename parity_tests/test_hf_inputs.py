@@ -7,31 +7,18 @@ import sys
 import pytest
 import torch
 
-from parity_tests import bounds, expected, hf_cases, hf_models
+from parity_tests import bounds, hf_cases, hf_models
 from parity_tests.hf_reference import (
     check_bytes,
     hf_bounds,
-    packed_reference,
+    layer_kinds,
     reference,
     run_reference,
 )
 from torch_impl import hf
+from torch_impl.hf.documents import isolates_documents
 
 # --- bytes on the wire ------------------------------------------------------------------------
-
-
-def layer_kinds(config):
-    """Per decoder layer: ("full", None), ("sliding", W) or ("conv", K)."""
-    kinds = []
-    for i in range(config.num_hidden_layers):
-        kind = config.layer_types[i] if getattr(config, "layer_types", None) else None
-        if kind == "conv":
-            kinds.append(("conv", config.conv_L_cache))
-        elif kind == "sliding_attention" or (kind is None and getattr(config, "sliding_window", None)):
-            kinds.append(("sliding", config.sliding_window))
-        else:
-            kinds.append(("full", None))
-    return kinds
 
 
 def halo_tokens(dst, halo_size, L):
@@ -80,53 +67,23 @@ def test_bytes_per_layer_are_the_analytic_minimum(pool, name, n):
                 assert got == minimum_bytes(kind, size, r, n, L, 2, config, 8), (index, kind, r)
 
 
-def document_reach(start):
-    """How far back from global row `start` the document holding it began, the most over the packed
-    batch's rows: brute force over hf_models.DOCUMENTS."""
-    reach = 0
-    for lengths in hf_models.DOCUMENTS:
-        ends = [sum(lengths[: i + 1]) for i in range(len(lengths))]
-        first = max([0] + [e for e in ends if e <= start])
-        reach = max(reach, start - first)
-    return reach
+def test_documents_are_isolated_where_the_model_isolates_them():
+    """torch_impl.hf.documents reads from each base model's forward whether it hands transformers'
+    mask functions the positions (directly, through an alias, or in a kwargs dict and its copy):
+    GPT-OSS does not (one process attends across its documents), the other families do."""
+    for name in hf_models.SUPPORTED + hf_models.INDEXED:
+        assert isolates_documents(type(hf_models.build(name).base_model)) is (name != "gpt_oss"), name
 
+    class Custom(torch.nn.Module):
+        def forward(self, x, position_ids=None):
+            kwargs = {"config": None}
+            more = kwargs.copy()
+            more["position_ids"] = position_ids
+            pick = create_causal_mask if x else create_sliding_window_causal_mask  # noqa: F821
+            return pick(**more)
 
-@pytest.mark.parametrize(
-    "name,layout", [("gemma3", "contiguous"), ("gemma3", "head_tail"), ("lfm2", "contiguous")]
-)
-def test_packed_rows_move_only_their_documents_reach(pool, name, layout):
-    """On packed rows each attention layer's chunk receives, forward, the K and V of its window back
-    to the start of the document holding its first token (full layers too: no gather), and,
-    backward, the gradients of what it lent; LFM2's convolutions their K - 1 tokens. Counted at the
-    c10d calls, per layer and rank, against the documents' brute-force minimum."""
-    n, B = 4, len(hf_models.DOCUMENTS)
-    ref = packed_reference(name)
-    config, L = hf_models.build(name).config, hf_models.SEQ_LEN // n
-    C = L if layout == "contiguous" else L // 2
-    owner = {t: r for r in range(n) for t in expected.local_tokens(n, L, r, layout)}
-    for group_results in pool.run(
-        ("block", n), hf_cases.cp_step, name, "float64", ref.state, ref.batch, "eval", layout
-    ):
-        for index, (kind, size) in enumerate(layer_kinds(config)):
-            if kind == "conv":
-                per_token, reach = config.hidden_size * 8, lambda s, K=size: min(s, K - 1)
-            else:
-                per_token = 2 * config.num_key_value_heads * config.head_dim * 8
-                reach = lambda s, W=size: min(document_reach(s), s if W is None else W - 1)  # noqa: E731
-            windows = [  # per rank, per chunk: the global rows of its window
-                [range(s - reach(s), s) for s in expected.local_tokens(n, L, r, layout)[::C]]
-                for r in range(n)
-            ]
-            for r, res in enumerate(group_results):
-                got = {(d, dtype): v for (d, i, dtype), v in res["received"].items() if i == index and v}
-                received = sum(owner[t] != r for w in windows[r] for t in w)
-                lent = sum(owner[t] == r for q in range(n) if q != r for w in windows[q] for t in w)
-                want = {
-                    ("forward", "float64"): B * received * per_token,
-                    ("forward", "mask"): B * received if kind == "conv" else 0,  # its padding mask, all True
-                    ("backward", "float64"): B * lent * per_token,
-                }
-                assert got == {k: v for k, v in want.items() if v}, (index, kind, r, got, want)
+    assert isolates_documents(Custom) is True
+    assert isolates_documents(torch.nn.Linear) is None  # no mask function call
 
 
 # --- data parallelism -------------------------------------------------------------------------
