@@ -86,7 +86,7 @@ def test_gather_metadata_parity(pool, n):
 
 
 @settings(
-    max_examples=30,
+    max_examples=20,
     derandomize=True,
     deadline=None,
     database=None,

@@ -41,7 +41,7 @@ def check_verdict(out):
     [
         ["--cp", "4", "--steps", "3", "--layout", "head_tail"],
         ["--dp", "2", "--cp", "2", "--model", "lfm2", "--ac", "--dtype", "float64", "--steps", "3"],
-        ["--dp", "2", "--cp", "2", "--model", "deepseek_v32", "--dtype", "float64", "--steps", "2"],
+        ["--dp", "2", "--cp", "2", "--model", "deepseek_v32", "--dtype", "float64", "--steps", "1"],
     ],
     ids=["gemma3-cp4-head_tail", "lfm2-dp2-cp2-ac-float64", "deepseek_v32-dp2-cp2-float64"],
 )
@@ -96,14 +96,13 @@ def test_a_difference_over_the_tolerance_fails_the_job():
 
 
 def test_resume_continues_exactly(tmp_path):
-    """A 3-step run saving after every step; its step-3 and step-2 checkpoints removed, a run
-    resumed from step 1 to step 3: the uninterrupted run's losses, to the bit."""
+    """A 2-step run saving after every step; its step-2 checkpoint removed, a run resumed from step
+    1 to step 2: the uninterrupted run's losses, to the bit."""
     ckpt = tmp_path / "ckpt"
-    common = ["--dp", "2", "--cp", "2", *SMALL, "--steps", "3", "--save-dir", str(ckpt)]
+    common = ["--dp", "2", "--cp", "2", *SMALL, "--steps", "2", "--save-dir", str(ckpt)]
     code, out = run([*common, "--save-every", "1", "--metrics", str(tmp_path / "full.json")])
     assert code == 0, out[-3000:]
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step-000001", "step-000002", "step-000003"]
-    shutil.rmtree(ckpt / "step-000003")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-000001", "step-000002"]
     shutil.rmtree(ckpt / "step-000002")
     code, out = run([*common, "--resume", "--metrics", str(tmp_path / "resumed.json")])
     assert code == 0, out[-3000:]

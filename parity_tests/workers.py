@@ -78,8 +78,8 @@ def _worker(rank, store_path, tasks, results):
                 groups[grouping] = (index, group)
     while True:
         task = tasks.get()
-        if task is None:
-            break
+        if task is None:  # the session's end: exit at once (gloo's teardown waits on every peer)
+            os._exit(0)
         case_id, grouping, module, name, args = task
         try:
             member = groups.get(grouping)
@@ -91,7 +91,6 @@ def _worker(rank, store_path, tasks, results):
             results.put((case_id, rank, True, pickle.dumps(payload)))
         except BaseException:
             results.put((case_id, rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
 
 
 class CaseFailed(RuntimeError):
