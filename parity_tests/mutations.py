@@ -68,9 +68,9 @@ MUTATIONS = [
     Mutation(
         "plan_windows_one_key_early",
         "torch_impl/layout.py",
-        "first_key = 0 if reach is None else start - min(start, reach)",
-        "first_key = 0 if reach is None else max(0, start - min(start, reach) - 1)",
-        ("parity_tests/test_torch_impl.py", "-k", "shard_plan"),
+        "first_key = 0 if h is None else start - min(start, h)",
+        "first_key = 0 if h is None else max(0, start - min(start, h) - 1)",
+        ("parity_tests/test_layout.py", "-k", "shard_plan"),
     ),
     Mutation(
         "head_tail_gather_swaps_two_tokens",
@@ -78,7 +78,7 @@ MUTATIONS = [
         "    _reverse_blocks(out[half:], n)\n    return out.transpose(0, 1)",
         "    _reverse_blocks(out[half:], n)\n    out[[half, half + 1]] = out[[half + 1, half]]\n"
         "    return out.transpose(0, 1)",
-        ("parity_tests/test_hf.py", "-k", "head_tail_packed and deepseek"),
+        ("parity_tests/test_hf.py", "-k", "packed_sequences_equal and deepseek_v32-head_tail"),
     ),
     Mutation(
         "window_one_key_longer",
@@ -92,7 +92,7 @@ MUTATIONS = [
         "torch_impl/hf/inputs.py",
         "ids = find_packed_sequence_indices(everywhere)  #",
         "ids = F.pad(find_packed_sequence_indices(everywhere)[:, :-1], (1, 0))  #",
-        ("parity_tests/test_hf.py", "-k", "head_tail_packed and deepseek"),
+        ("parity_tests/test_hf.py", "-k", "packed_sequences_equal and deepseek_v32"),
     ),
     Mutation(
         "full_attention_drops_the_padding",
