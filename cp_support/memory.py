@@ -1,7 +1,11 @@
-"""The process's resident-set high-water mark, resettable (Linux /proc), for peak-memory figures."""
+"""The process's resident-set high-water mark, resettable (Linux /proc), for peak-memory figures;
+and the largest tensor an operation makes (`LargestTensor`), for bounds that must not grow with L x T."""
 
 import gc
 import re
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _status_kib(field):
@@ -20,3 +24,18 @@ def reset_peak():
 def peak_mib():
     """The resident set's high-water mark since the last reset_peak (or the process start), in MiB."""
     return _status_kib("VmHWM") / 1024
+
+
+class LargestTensor(TorchDispatchMode):
+    """with LargestTensor() as m: ...; then m.numel, the most elements of any tensor an op made."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out

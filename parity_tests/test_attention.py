@@ -276,27 +276,16 @@ def test_a_skipped_tile_is_never_computed():
 def test_memory_is_bounded_no_tensor_grows_with_L_times_T():
     """Every tensor made in forward and backward, counted by a dispatch mode: the largest holds far
     fewer than L * T elements (the dense path's mask alone has B * L * T; its scores B * H * L * T)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Largest(TorchDispatchMode):
-        numel = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    Largest.numel = max(Largest.numel, t.numel())
-            return out
+    from cp_support.memory import LargestTensor
 
     L, T = 1024, 8192
     q = torch.randn(1, 2, L, 8, requires_grad=True)
     k, v = torch.randn(1, 1, T, 8, requires_grad=True), torch.randn(1, 1, T, 8, requires_grad=True)
     documents, padding = torch.zeros(1, T, dtype=torch.long), torch.ones(1, T, dtype=torch.bool)
     for extra in ({}, {"documents": documents, "padding": padding}, {"window": 300}):
-        Largest.numel = 0
-        with Largest():
+        with LargestTensor() as largest:
             attention.causal_attention(q, k, v, T - L, 0, **extra).sum().backward()
-        assert Largest.numel <= L * T // 8, (extra.keys(), Largest.numel)
+        assert largest.numel <= L * T // 8, (extra.keys(), largest.numel)
 
 
 def test_bad_arguments_raise_value_error():

@@ -104,17 +104,7 @@ def test_absorbed_mla_low_precision_keeps_the_dtype(dtype, c):
 def test_absorbed_mla_makes_no_per_head_keys():
     """Every tensor made in forward and backward, counted by a dispatch mode: the largest is far
     smaller than the per-head keys of the prefix (H x T x (dn + dr)) that the expanded form makes."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Largest(TorchDispatchMode):
-        numel = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    Largest.numel = max(Largest.numel, t.numel())
-            return out
+    from cp_support.memory import LargestTensor
 
     B, H, L, T, k, dn, dr, dv, r = 1, 8, 256, 8192, 32, 16, 8, 16, 32
     query = torch.randn(B, H, L, dn + dr, requires_grad=True)
@@ -122,8 +112,8 @@ def test_absorbed_mla_makes_no_per_head_keys():
     weight = torch.randn(H * (dn + dv), r, requires_grad=True)
     indices = torch.randint(0, T - L, (B, L, k), dtype=torch.int32)
     valid = torch.ones(B, L, k, dtype=torch.bool)
-    with Largest():
+    with LargestTensor() as largest:
         attention.sparse_mla_attention(
             query, latents, weight, indices, valid, nope_dim=dn, scale=0.1
         ).sum().backward()
-    assert Largest.numel <= T * (r + dr) < H * T * (dn + dr) // 4, Largest.numel
+    assert largest.numel <= T * (r + dr) < H * T * (dn + dr) // 4, largest.numel
