@@ -110,18 +110,11 @@ def prepare(args, variant):
 def counted_bytes(model, kwargs):
     """{layer kind: bytes received} in one forward+backward without checkpointing (a recomputed
     forward would fetch its keys again)."""
-    from cp_support.traffic import PayloadCounter, tag_layers
+    from cp_support.traffic import count_step
 
     model.activation_checkpointing_disable()
-    counter = PayloadCounter()
-    handles = tag_layers(counter, model.model.layers)
-    with counter:
-        model(**kwargs).loss.backward()
-    for handle in handles:
-        handle.remove()
-    kinds = model.config.layer_types
-    out = {}
-    for call in counter.log:
+    kinds, out = model.config.layer_types, {}
+    for call in count_step(model, kwargs):
         if isinstance(call.tag, tuple) and call.dtype.is_floating_point:  # K and V, not the positions
             out[kinds[call.tag[1]]] = out.get(kinds[call.tag[1]], 0) + call.received
     return out

@@ -137,3 +137,15 @@ def tag_layers(counter, layers):
         handles.append(layer.register_forward_pre_hook(tagger("forward", index)))
         handles.append(layer.register_full_backward_pre_hook(tagger("backward", index)))
     return handles
+
+
+def count_step(model, kwargs):
+    """Every c10d call of one forward+backward of `model(**kwargs).loss`, tagged with its decoder
+    layer (tag_layers): the counter's log."""
+    counter = PayloadCounter()
+    handles = tag_layers(counter, model.model.layers)
+    with counter:
+        model(**kwargs).loss.backward()
+    for handle in handles:
+        handle.remove()
+    return counter.log

@@ -9,7 +9,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from cp_support.memory import peak_mib, reset_peak
 from cp_support.models import build_model
-from cp_support.traffic import PayloadCounter, tag_layers
+from cp_support.traffic import count_step
 from examples.train.checkpoint import latest_checkpoint, load, save
 from examples.train.parallel import IMPLEMENTATIONS, apply_ac, apply_compile, apply_cp, apply_fsdp, log
 from torch_impl import hf
@@ -34,14 +34,8 @@ def measure_transport(model, local, transports):
     report, chosen = {}, model.config._attn_implementation
     for transport in transports:
         model.set_attn_implementation(IMPLEMENTATIONS[transport])
-        counter = PayloadCounter()
-        handles = tag_layers(counter, model.model.layers)
-        with counter:
-            model(**local).loss.backward()
-        for handle in handles:
-            handle.remove()
         per_layer = [0] * len(model.model.layers)
-        for call in counter.log:
+        for call in count_step(model, local):
             if call.tag is not None:  # None: before the first layer (the inputs' cross-rank check)
                 per_layer[call.tag[1]] += call.received
         report[transport] = per_layer
