@@ -12,7 +12,9 @@ summing to 1 times values: at most max|v|), so the two sides are within about 2 
 plus each weight's exp, which carries its argument's rounding times |score| (`float64_bound`);
 backward adds two more such sums (dP and the row sums of P dP), 2 * 4T u64 of each gradient's
 largest entry. Small tile sizes force many tiles (diagonal, full, banded and masked ones, merged by
-log-sum-exp) at small shapes.
+log-sum-exp) at small shapes. Soft-capping (Gemma 2) and sinks (GPT-OSS) are stated as their
+models state them: cap * tanh(score / cap) before the mask, and a per-head logit concatenated to
+every row's scores whose softmax column is then dropped.
 """
 
 import math
@@ -53,7 +55,7 @@ CASES = [
 ]
 
 
-def brute_force(q, k, v, q_start, k_start, window, scale, documents, padding):
+def brute_force(q, k, v, q_start, k_start, window, scale, documents, padding, softcap=None, sinks=None):
     """float64 attention over the dense [L, T] visibility matrix made from the rule."""
     B, H, L, _ = q.shape
     T, groups = k.shape[2], H // k.shape[1]
@@ -67,7 +69,13 @@ def brute_force(q, k, v, q_start, k_start, window, scale, documents, padding):
         seen = seen & (documents[:, -L:, None] == documents[:, None, :])
     if padding is not None:
         seen = seen & padding[:, None, :]
-    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~seen[:, None], -math.inf)  # [B, H, L, T]
+    scores = q @ k.transpose(-1, -2) * scale  # [B, H, L, T]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~seen[:, None], -math.inf)
+    if sinks is not None:  # GPT-OSS: the sink's column joins the softmax, then is dropped
+        logits = torch.cat([scores, sinks[None, :, None, None].expand(B, H, L, 1)], dim=-1)
+        return logits.softmax(-1)[..., :-1] @ v
     weights = torch.where(seen[:, None].any(-1, keepdim=True), scores.softmax(-1), 0.0)
     return weights @ v
 
@@ -108,27 +116,46 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(attention.tiles, "BLOCK", {"global": 7, "window": 5, "masked": 6})
 
 
+def score_bound(q, k, scale, softcap, sinks):
+    """The largest |logit| an exp takes (float64_bound's `scores`): q . k * scale, or under a cap
+    at most the cap, whose tanh adds 3 roundings (divide, tanh, multiply) of it; or a sink's."""
+    scores = largest_score(q, k, scale) if softcap is None else 4 * min(softcap, largest_score(q, k, scale))
+    return scores if sinks is None else max(scores, sinks.abs().max().item())
+
+
+# what joins the rule: Gemma 2's soft-capping at 2 (integer scores reach 18: heavily capped), GPT-OSS's
+# sinks (integer logits per head), or both
+EXTRAS = {"plain": (None, False), "softcap": (2.0, False), "sinks": (None, True), "both": (1.5, True)}
+
+
+@pytest.mark.parametrize("extra", EXTRAS)
 @pytest.mark.parametrize("case", CASES)
-def test_matches_brute_force_forward_and_backward(case, small_tiles):
+def test_matches_brute_force_forward_and_backward(case, extra, small_tiles):
     L, h, window, B, H, Hkv, documents, padding = case
+    softcap, with_sinks = EXTRAS[extra]
     q_start = 1000  # any global row: only differences matter
     q, k, v, docs, pad = make_inputs(L, h, B, H, Hkv, documents, padding)
-    out = attention.causal_attention(
-        q, k, v, q_start, q_start - h, window=window, scale=0.25, documents=docs, padding=pad
-    )
-    ref = brute_force(q, k, v, q_start, q_start - h, window, 0.25, docs, pad)
+    sinks = torch.arange(H, dtype=torch.float64).sub(1).requires_grad_() if with_sinks else None
+    kwargs = dict(window=window, scale=0.25, documents=docs, padding=pad, softcap=softcap, sinks=sinks)
+    out = attention.causal_attention(q, k, v, q_start, q_start - h, **kwargs)
+    ref = brute_force(q, k, v, q_start, q_start - h, window, 0.25, docs, pad, softcap, sinks)
     assert out.shape == q.shape and out.dtype == q.dtype
-    T, scores = h + L, largest_score(q, k, 0.25)
+    T, scores = h + L + with_sinks, score_bound(q, k, 0.25, softcap, sinks)
     bounds.check((out - ref).abs().max(), float64_bound(2, T, v, scores), "output")
-    dense = dense_path(q, k, v, q_start, q_start - h, window, 0.25, docs, pad)
-    # what torch_impl.hf did before: sdpa on an [L, T] mask
-    bound = float64_bound(2, T, v, scores)
-    bounds.check((out - dense).abs().max(), bound, "output against the dense path")
+    if extra == "plain":  # what torch_impl.hf did before: sdpa on an [L, T] mask
+        dense = dense_path(q, k, v, q_start, q_start - h, window, 0.25, docs, pad)
+        bound = float64_bound(2, T, v, scores)
+        bounds.check((out - dense).abs().max(), bound, "output against the dense path")
     cotangent = torch.randint(-2, 3, out.shape, generator=torch.Generator().manual_seed(1)).double()
-    grads = torch.autograd.grad(out, (q, k, v), cotangent)
-    expected = torch.autograd.grad(ref, (q, k, v), cotangent)
-    for name, got, want in zip("qkv", grads, expected, strict=True):
+    inputs = (q, k, v) + ((sinks,) if with_sinks else ())
+    grads = torch.autograd.grad(out, inputs, cotangent)
+    expected = torch.autograd.grad(ref, inputs, cotangent)
+    for name, got, want in zip("qkv", grads, expected, strict=False):
         bounds.check((got - want).abs().max(), float64_bound(4, T, want, scores), f"grad of {name}")
+    if with_sinks:  # -sum over B * L rows of the sink's weight (<= 1) times dO . out (D products)
+        most = B * L * q.shape[-1] * cotangent.abs().max().item() * v.abs().max().item()
+        bound = float64_bound(4, T + q.shape[-1], torch.tensor(most), scores)
+        bounds.check((grads[3] - expected[3]).abs().max(), bound, "grad of the sinks")
 
 
 def test_queries_that_see_nothing_give_zeros_and_no_gradient(small_tiles):
@@ -146,8 +173,31 @@ def test_queries_that_see_nothing_give_zeros_and_no_gradient(small_tiles):
     assert torch.isfinite(k.grad).all() and torch.equal(k.grad[:, :, :3], torch.zeros_like(k.grad[:, :, :3]))
 
 
+def test_a_sink_alone_gives_zeros_and_its_gradient_from_the_other_rows(small_tiles):
+    """Queries that see no key but a sink: output zero (its softmax puts all weight on the sink,
+    which has no value), no gradient to q; the sinks' gradient, from the rows that see keys, right."""
+    q, k, v, _, _ = make_inputs(12, 0, 1, 2, 1, False, False)
+    padding = torch.ones(1, 12, dtype=torch.bool)
+    padding[0, :3] = False
+    sinks = torch.tensor([1.0, -2.0], dtype=torch.float64, requires_grad=True)
+    out = attention.causal_attention(q, k, v, 0, 0, padding=padding, softcap=3.0, sinks=sinks)
+    assert torch.equal(out[:, :, :3], torch.zeros_like(out[:, :, :3]))
+    ref = brute_force(q, k, v, 0, 0, None, 8**-0.5, None, padding, 3.0, sinks)
+    scores = score_bound(q, k, 8**-0.5, 3.0, sinks)
+    bounds.check((out - ref).abs().max(), float64_bound(2, 13, v, scores), "output")
+    cotangent = torch.ones_like(out)
+    (got,) = torch.autograd.grad(out, sinks, cotangent, retain_graph=True)
+    (want,) = torch.autograd.grad(ref, sinks, cotangent)
+    most = 12 * 8 * v.abs().max().item()
+    bounds.check((got - want).abs().max(), float64_bound(4, 13 + 8, torch.tensor(most), scores), "sinks")
+    assert want.abs().min() > 0.1  # the rows that see keys pull every sink down
+    (grad_q,) = torch.autograd.grad(out, q, cotangent)
+    assert torch.equal(grad_q[:, :, :3], torch.zeros_like(grad_q[:, :, :3]))
+
+
+@pytest.mark.parametrize("extra", ["plain", "both"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_random_floats_and_low_precision_keep_the_dtype(dtype, small_tiles):
+def test_random_floats_and_low_precision_keep_the_dtype(dtype, extra, small_tiles):
     """Random floats against the float64 brute force; the output is in the input's dtype. The
     low-precision side rounds q, k and v (scores of D = 16 products move by up to 2u of their
     magnitudes, ~|q||k|/4 here, so weights by about as much), sums T = 40 terms twice, and rounds the
@@ -155,17 +205,33 @@ def test_random_floats_and_low_precision_keep_the_dtype(dtype, small_tiles):
     accumulates in float32, so only the roundings of q, k, v and the output count) to 8 u max|v|.
     bfloat16's difference is those few roundings themselves, so it sits near its bound by nature
     (measured 0.13 of it): this test is for the dtype and a low-precision path that runs; exactness
-    is the integer-valued float64 tests' job."""
+    is the integer-valued float64 tests' job. With a soft-cap (scores within the cap: the cap's
+    tanh moves them by no more than the uncapped ones) and sinks in the input's dtype, whose
+    rounding (bfloat16: u of |s| <= 1) moves each weight by as much: one u more."""
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(2, 4, 24, 16, generator=gen)
     k, v = torch.randn(2, 2, 40, 16, generator=gen), torch.randn(2, 2, 40, 16, generator=gen)
     docs = torch.randint(0, 3, (2, 40), generator=gen).sort(-1).values
+    softcap, sinks = (None, None) if extra == "plain" else (2.0, torch.rand(4, generator=gen) * 2 - 1)
+    low = None if sinks is None else sinks.to(dtype)
     out = attention.causal_attention(
-        q.to(dtype), k.to(dtype), v.to(dtype), 100, 84, window=30, documents=docs
+        q.to(dtype), k.to(dtype), v.to(dtype), 100, 84, window=30, documents=docs, softcap=softcap, sinks=low
     )
-    ref = brute_force(q.double(), k.double(), v.double(), 100, 84, 30, 0.25, docs, None)
+    ref = brute_force(
+        q.double(),
+        k.double(),
+        v.double(),
+        100,
+        84,
+        30,
+        0.25,
+        docs,
+        None,
+        softcap,
+        None if low is None else low.double(),
+    )
     assert out.dtype == dtype
-    c = 2 * (2 * 40 + 16) if dtype == torch.float32 else 8
+    c = 2 * (2 * 40 + 16) if dtype == torch.float32 else 8 + (extra != "plain")
     bounds.check((out.double() - ref).abs().max(), c * bounds.u(dtype) * v.abs().max().item(), "output")
 
 
@@ -282,7 +348,14 @@ def test_memory_is_bounded_no_tensor_grows_with_L_times_T():
     q = torch.randn(1, 2, L, 8, requires_grad=True)
     k, v = torch.randn(1, 1, T, 8, requires_grad=True), torch.randn(1, 1, T, 8, requires_grad=True)
     documents, padding = torch.zeros(1, T, dtype=torch.long), torch.ones(1, T, dtype=torch.bool)
-    for extra in ({}, {"documents": documents, "padding": padding}, {"window": 300}):
+    sinks = torch.zeros(2, requires_grad=True)
+    for extra in (
+        {},
+        {"documents": documents, "padding": padding},
+        {"window": 300},
+        {"softcap": 5.0, "sinks": sinks},  # explicit scores: a block square per tile
+        {"softcap": 5.0, "window": 300, "padding": padding},
+    ):
         with LargestTensor() as largest:
             attention.causal_attention(q, k, v, T - L, 0, **extra).sum().backward()
         assert largest.numel <= L * T // 8, (extra.keys(), largest.numel)
@@ -298,6 +371,10 @@ def test_bad_arguments_raise_value_error():
         attention.causal_attention(q, k, k, 4, 0, window=0)
     with pytest.raises(ValueError, match=r"`documents` must be \[B, T\] = \(1, 12\)"):
         attention.causal_attention(q, k, k, 4, 0, documents=torch.zeros(1, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match="`softcap` must be positive"):
+        attention.causal_attention(q, k, k, 4, 0, softcap=0.0)
+    with pytest.raises(ValueError, match=r"`sinks` must be \[H\] = \(4,\), one logit per query head"):
+        attention.causal_attention(q, k, k, 4, 0, sinks=torch.zeros(2))
 
 
 def test_kernel_table():
@@ -307,12 +384,16 @@ def test_kernel_table():
 
 
 def test_the_cuda_rule_runs_through_flex_attention_forward_on_cpu():
-    """The CUDA kernels' visibility rule, through flex_attention with a BlockMask compiled from
-    `mask_mod` (no dense mask). torch 2.13 has flex's forward on CPU (not its backward): this checks
-    the rule, the offsets, GQA and the per-row documents and padding that CUDA runs."""
+    """The CUDA kernels' visibility rule and soft-capping `score_mod`, through flex_attention with
+    a BlockMask compiled from `mask_mod` (no dense mask). torch 2.13 has flex's forward on CPU (not
+    its backward, nor the log-sum-exp that sinks need): this checks the rule, the offsets, GQA, the
+    per-row documents and padding and the cap that CUDA runs."""
     q, k, v, docs, pad = make_inputs(24, 47, 2, 4, 2, True, True, seed=3, dtype=torch.float32)
     q, k, v = (t.detach() for t in (q, k, v))
-    out = attention.KERNELS["flex"](q, k, v, 1000, 953, 48, 0.25, docs, pad)
-    ref = brute_force(q.double(), k.double(), v.double(), 1000, 953, 48, 0.25, docs, pad)
-    # integer inputs, exact scores: float32 rounds the softmax's two sums of T = 71 terms
-    bounds.check((out.double() - ref).abs().max(), 2 * 2 * 71 * bounds.u(torch.float32) * 3, "output")
+    for softcap in (None, 2.0):
+        out = attention.KERNELS["flex"](q, k, v, 1000, 953, 48, 0.25, docs, pad, softcap, None)
+        ref = brute_force(q.double(), k.double(), v.double(), 1000, 953, 48, 0.25, docs, pad, softcap)
+        # integer inputs, exact scores: float32 rounds the softmax's two sums of T = 71 terms; a
+        # capped score also its 3 roundings of up to the cap (2), which each weight's exp carries
+        c = 2 * 71 + (0 if softcap is None else 2 * 3 * softcap)
+        bounds.check((out.double() - ref).abs().max(), 2 * c * bounds.u(torch.float32) * 3, "output")

@@ -6,15 +6,22 @@ followed by its own) at global rows k_start .. q_start + L - 1. Query q sees key
     k <= q,   q - k < window (when there is one),   documents[k] == documents[q] (packed
     sequences),   padding[k] (a padding key is seen by no one)
 
-and a query that sees no key at all returns zeros. Memory is O((L + T) * heads * head_dim) plus a
-kernel's workspace; no path builds a mask or score matrix that grows with L * T.
+and a query that sees no key at all returns zeros. Two model-specific terms join the softmax:
+soft-capping (Gemma 2), score -> softcap * tanh(score / softcap) before the mask, and sinks
+(GPT-OSS), one learned logit per query head added to every query's denominator with no value, so
+out' = out * sigmoid(lse - sink) (a query that sees no key still returns zeros). Memory is
+O((L + T) * heads * head_dim) plus a kernel's workspace; no path builds a mask or score matrix that
+grows with L * T.
 
 | device | layer                                      | kernel                                              |
 |--------|--------------------------------------------|-----------------------------------------------------|
-| CUDA   | global, no documents or padding            | flash attention, causal aligned bottom-right        |
-| CUDA   | the rest (windows, documents, padding)     | flex_attention, BlockMask built from `mask_mod`     |
+| CUDA   | global, no documents, padding, cap, sinks  | flash attention, causal aligned bottom-right        |
+| CUDA   | the rest (windows, documents, padding,     | flex_attention, BlockMask built from `mask_mod`;    |
+|        | soft-capping, sinks)                       | the cap a `score_mod`, sinks through its lse        |
 | CPU    | all                                        | `TiledAttention`: query blocks over key tiles (the  |
-|        |                                            | CPU flash op), merged by log-sum-exp, exact backward|
+|        |                                            | CPU flash op; soft-capped: explicit block-sized     |
+|        |                                            | scores), merged by log-sum-exp, sinks joined to the |
+|        |                                            | merged lse, exact backward recomputing each tile    |
 
 Packed documents cost what they need: the CPU tiles skip every tile that no query's document
 reaches and leave tiles inside one document unmasked (`tile_plan`'s spans); on CUDA,

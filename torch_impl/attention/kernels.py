@@ -10,27 +10,42 @@ from torch_impl.attention.tiles import TiledAttention
 
 
 def causal_attention(
-    query, key, value, q_start, k_start, *, window=None, scale=None, documents=None, padding=None
+    query,
+    key,
+    value,
+    q_start,
+    k_start,
+    *,
+    window=None,
+    scale=None,
+    documents=None,
+    padding=None,
+    softcap=None,
+    sinks=None,
 ):
     """Causal attention of this rank's queries over its keys, by global position; differentiable.
 
     query: [B, H, L, D] at global rows q_start ..; key, value: [B, Hkv, T, D] at global rows
     k_start .. q_start + L - 1 (H a multiple of Hkv: grouped-query attention); window: a query sees
     `window` keys, itself included, or all earlier ones when None; scale: default 1/sqrt(D);
-    documents: int [B, T] (packed sequences) and padding: bool [B, T] (True: a token), per key row.
-    Returns [B, H, L, D] in query's dtype.
+    documents: int [B, T] (packed sequences) and padding: bool [B, T] (True: a token), per key row;
+    softcap: scores become softcap * tanh(score / softcap) before the mask (Gemma 2); sinks: [H],
+    one learned logit per query head that joins every query's softmax denominator and adds no value
+    (GPT-OSS), differentiable. Returns [B, H, L, D] in query's dtype.
     """
-    check_arguments(query, key, value, q_start, k_start, window, documents, padding)
+    check_arguments(query, key, value, q_start, k_start, window, documents, padding, softcap, sinks)
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
-    kernel = choose_kernel(query, window, documents, padding)
-    return KERNELS[kernel](query, key, value, q_start, k_start, window, scale, documents, padding)
+    kernel = choose_kernel(query, window, documents, padding, softcap, sinks)
+    return KERNELS[kernel](
+        query, key, value, q_start, k_start, window, scale, documents, padding, softcap, sinks
+    )
 
 
-def choose_kernel(query, window, documents, padding):
+def choose_kernel(query, window, documents, padding, softcap=None, sinks=None):
     """The kernel name for this call (the table in the module docstring)."""
     if query.device.type != "cuda":
         return "tiled"
-    plain = window is None and documents is None and padding is None
+    plain = window is None and documents is None and padding is None and softcap is None and sinks is None
     return "flash" if plain and _flash_fits(query) else "flex"
 
 
@@ -43,7 +58,7 @@ def _flash_fits(query):
     )
 
 
-def _flash(query, key, value, q_start, k_start, window, scale, documents, padding):
+def _flash(query, key, value, q_start, k_start, window, scale, documents, padding, softcap, sinks):
     """Global causal attention aligned bottom-right (queries are the last L of the T keys): the
     flash op's own `is_causal` for L < T, as torch's `causal_lower_right` dispatches it."""
     groups = query.shape[1] // key.shape[1]
@@ -59,18 +74,43 @@ def _compiled_flex():
     return torch.compile(create_block_mask), torch.compile(flex_attention)
 
 
-def _flex(query, key, value, q_start, k_start, window, scale, documents, padding):
-    """flex_attention with a BlockMask built by evaluating `mask_mod` block by block (no dense mask)."""
+def _flex(query, key, value, q_start, k_start, window, scale, documents, padding, softcap, sinks):
+    """flex_attention with a BlockMask built by evaluating `mask_mod` block by block (no dense mask);
+    soft-capping as its `score_mod`; sinks through its log-sum-exp (differentiable in flex):
+    out * sigmoid(lse - sink), the softmax whose denominator has the sink's exp(sink) added."""
+    from torch.nn.attention.flex_attention import AuxRequest
+
     create_block_mask, flex_attention = _compiled_flex()
     B, H, L, _ = query.shape
     per_row = documents is not None or padding is not None
     rule = mask_mod(q_start, k_start, window, documents, padding)
     block_mask = create_block_mask(rule, B if per_row else None, None, L, key.shape[2], device=query.device)
-    return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=H != key.shape[1])
+    score_mod = None if softcap is None else functools.partial(_capped, softcap=softcap)
+    out = flex_attention(
+        query,
+        key,
+        value,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=H != key.shape[1],
+        return_aux=None if sinks is None else AuxRequest(lse=True),
+    )
+    if sinks is None:
+        return out
+    out, aux = out  # [B, H, L, D], lse [B, H, L] (float32; -inf where a query sees nothing)
+    weight = torch.sigmoid(aux.lse - sinks.float()[None, :, None])  # [B, H, L]: 0 where it saw nothing
+    return (out.float() * weight[..., None]).to(query.dtype)
 
 
-def _tiled(query, key, value, q_start, k_start, window, scale, documents, padding):
-    return TiledAttention.apply(query, key, value, q_start, k_start, window, scale, documents, padding)
+def _capped(score, b, h, q_idx, kv_idx, softcap):
+    return softcap * torch.tanh(score / softcap)
+
+
+def _tiled(query, key, value, q_start, k_start, window, scale, documents, padding, softcap, sinks):
+    return TiledAttention.apply(
+        query, key, value, q_start, k_start, window, scale, documents, padding, softcap, sinks
+    )
 
 
 KERNELS = {"flash": _flash, "flex": _flex, "tiled": _tiled}

@@ -24,7 +24,9 @@ def mask_mod(q_start, k_start, window, documents, padding):
     return visible
 
 
-def check_arguments(query, key, value, q_start, k_start, window, documents, padding):
+def check_arguments(
+    query, key, value, q_start, k_start, window, documents, padding, softcap=None, sinks=None
+):
     """ValueError naming the argument and the rule, before any work."""
     B, H, L, D = query.shape
     if key.ndim != 4 or key.shape != value.shape[:3] + (D,) or key.shape[0] != B or H % key.shape[1]:
@@ -43,6 +45,12 @@ def check_arguments(query, key, value, q_start, k_start, window, documents, padd
     for name, t in (("documents", documents), ("padding", padding)):
         if t is not None and tuple(t.shape) != (B, T):
             raise ValueError(f"`{name}` must be [B, T] = {(B, T)}, one per key row, got {tuple(t.shape)}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(
+            f"`softcap` must be positive (scores become softcap * tanh(score / softcap)), got {softcap}"
+        )
+    if sinks is not None and tuple(sinks.shape) != (H,):
+        raise ValueError(f"`sinks` must be [H] = ({H},), one logit per query head, got {tuple(sinks.shape)}")
 
 
 def repeat_kv(t, groups):
