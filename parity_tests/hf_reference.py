@@ -124,15 +124,14 @@ def assert_matches_reference(results, ref, layout="contiguous"):
 
 def assert_path(results, name, chunks=1):
     """Which math ran: torch_impl.attention in every attention layer (one call per local chunk,
-    forward), or the dense-mask fallback for what it does not compute (hf_models.DENSE says why)."""
+    forward; DeepSeek Sparse Attention's sparse_mla_attention, tested in test_sparse_mla), none on
+    the dense-mask fallback."""
     config = hf_models.build(name).config
     kinds = getattr(config, "layer_types", None) or ["attention"] * config.num_hidden_layers
     attentions = sum(kind != "conv" for kind in kinds)
-    fused = (
-        0 if name in hf_models.DENSE or name in hf_models.INDEXED else attentions * chunks
-    )  # indexed: sparse_mla_attention (tested in test_attention)
+    fused = 0 if name in hf_models.INDEXED else attentions * chunks
     for res in results:
-        assert res["paths"] == [hf_models.DENSE.get(name)] * attentions, res["paths"]
+        assert res["paths"] == [None] * attentions, res["paths"]
         assert res["fused_calls"] == fused
 
 

@@ -67,16 +67,22 @@ def process_group(backend, rank, world_size):
 
 # --- torch_impl.attention ------------------------------------------------------------------------
 
-# (name, L, keys before the queries, window, documents, padding, the kernel in bfloat16)
+# (name, L, keys before the queries, window, documents, padding, soft-cap, sinks, the kernel in
+# bfloat16)
 ATTENTION_CASES = [
-    ("global, first rank", 256, 0, None, False, False, "flash"),
-    ("global, keys of three earlier ranks", 256, 768, None, False, False, "flash"),
-    ("window inside the shard", 256, 63, 64, False, False, "flex"),
-    ("window spanning three shards", 128, 299, 300, False, False, "flex"),
-    ("documents", 256, 256, None, True, False, "flex"),
-    ("window and documents", 256, 99, 100, True, False, "flex"),
-    ("padding: queries that see nothing", 256, 0, None, False, True, "flex"),
-    ("window and padding, offset", 128, 200, 150, False, True, "flex"),
+    ("global, first rank", 256, 0, None, False, False, None, False, "flash"),
+    ("global, keys of three earlier ranks", 256, 768, None, False, False, None, False, "flash"),
+    ("window inside the shard", 256, 63, 64, False, False, None, False, "flex"),
+    ("window spanning three shards", 128, 299, 300, False, False, None, False, "flex"),
+    ("documents", 256, 256, None, True, False, None, False, "flex"),
+    ("window and documents", 256, 99, 100, True, False, None, False, "flex"),
+    ("padding: queries that see nothing", 256, 0, None, False, True, None, False, "flex"),
+    ("window and padding, offset", 128, 200, 150, False, True, None, False, "flex"),
+    ("global, soft-capped (Gemma 2)", 256, 768, None, False, False, 2.0, False, "flex"),
+    ("window, soft-capped, padding", 128, 200, 150, False, True, 2.0, False, "flex"),
+    ("global, sinks (GPT-OSS)", 256, 768, None, False, False, None, True, "flex"),
+    ("sinks, padding: a sink alone", 256, 0, None, False, True, None, True, "flex"),
+    ("window, sinks, documents", 256, 99, 100, True, False, None, True, "flex"),
 ]
 
 
@@ -96,11 +102,17 @@ def attention_inputs(L, before, dtype, documents, padding, seed=0):
     return q, k, v, grad, docs, pad
 
 
-def run_attention(device, dtype, q, k, v, grad, q_start, k_start, window, docs, pad):
-    """(out, dq, dk, dv) of causal_attention on `device` in `dtype`."""
-    leaves = [t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v)]
+def run_attention(
+    device, dtype, q, k, v, grad, q_start, k_start, window, docs, pad, softcap=None, sinks=None
+):
+    """(out, dq, dk, dv[, dsinks]) of causal_attention on `device` in `dtype`."""
+    tensors = (q, k, v) if sinks is None else (q, k, v, sinks)
+    leaves = [t.to(device=device, dtype=dtype).requires_grad_() for t in tensors]
     docs, pad = (None if t is None else t.to(device) for t in (docs, pad))
-    out = attention.causal_attention(*leaves, q_start, k_start, window=window, documents=docs, padding=pad)
+    out = attention.causal_attention(
+        *leaves[:3], q_start, k_start, window=window, documents=docs, padding=pad, softcap=softcap,
+        sinks=None if sinks is None else leaves[3],
+    )  # fmt: skip
     out.backward(grad.to(device=device, dtype=dtype))
     return (out, *(t.grad for t in leaves))
 
@@ -110,18 +122,20 @@ def run_attention(device, dtype, q, k, v, grad, q_start, k_start, window, docs, 
 def test_attention_on_cuda_equals_the_cpu_math(case, dtype, monkeypatch):
     """Forward and gradients of every row of the kernel table against the CPU tiles in float64;
     the kernel that ran is the one the table names (flash takes only 16-bit inputs: float32's
-    global rows run on flex)."""
-    name, L, before, window, documents, padding, kernel = case
+    global rows run on flex). Sinks: one logit per head, their gradient compared too."""
+    name, L, before, window, documents, padding, softcap, with_sinks, kernel = case
     q, k, v, grad, docs, pad = attention_inputs(L, before, dtype, documents, padding)
+    sinks = torch.linspace(-2, 3, 4).to(dtype) if with_sinks else None
     k_start = 0 if before == 0 else 500  # global rows of the first key
     q_start = k_start + before
     ran = []
     for key, fn in list(attention.KERNELS.items()):
         monkeypatch.setitem(attention.KERNELS, key, lambda *a, _k=key, _f=fn: ran.append(_k) or _f(*a))
-    got = run_attention(CUDA, dtype, q, k, v, grad, q_start, k_start, window, docs, pad)
-    expected = run_attention("cpu", torch.float64, q, k, v, grad, q_start, k_start, window, docs, pad)
+    args = (q, k, v, grad, q_start, k_start, window, docs, pad, softcap, sinks)
+    got = run_attention(CUDA, dtype, *args)
+    expected = run_attention("cpu", torch.float64, *args)
     assert ran == [kernel if dtype == torch.bfloat16 else "flex"]
-    for label, a, b in zip(("out", "dq", "dk", "dv"), got, expected, strict=True):
+    for label, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, expected, strict=True):
         assert a.dtype == dtype and a.device.type == "cuda"
         assert error(a, b) <= TOLERANCE[dtype], (label, error(a, b))
     if padding and before == 0:  # row 0's queries 0..39 see only padding: zeros
@@ -318,8 +332,8 @@ def test_hf_last_rank_runs_on_cuda(name, dtype, monkeypatch):
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert all(g is not None and g.device.type == "cuda" for g in grads)
     dense = [m.context_parallel.dense for m in model.modules() if hasattr(m, "context_parallel")]
-    assert set(dense) <= {hf_models.DENSE.get(name)}
-    if name in hf_models.INDEXED or name in hf_models.DENSE:
+    assert set(dense) == {None}
+    if name in hf_models.INDEXED:
         assert ran == []
     else:
         assert set(ran) <= {"flash", "flex"} and "tiled" not in ran and ran

@@ -119,13 +119,15 @@ def fetch_keys(group, shard, key, value, padding, window, documents=None):
 
 def attend(module, query, key, value, padding, documents, w, window, **kwargs):
     """The math for one chunk's queries (global rows w.start ..) over its keys (from w.first_key):
-    torch_impl.attention, or the model's own mask and attention functions for a layer marked dense.
+    torch_impl.attention (with the model's soft-cap and sinks), or the model's own mask and attention
+    functions for a layer marked dense and for attention dropout (train mode), which the fused math
+    does not apply.
 
     query: [B, H, C, D]; key/value: [B, Hkv, T, D] and padding (bool [B, T]) for the keys
     w.first_key .. w.end - 1; documents (int [B, S]) by global row. Returns ([B, C, H, D], weights).
     """
     plan, B, C = module.context_parallel, query.shape[0], query.shape[2]
-    if plan.dense is None:
+    if plan.dense is None and not kwargs.get("dropout", 0.0) > 0:
         check_fused_kwargs(module, kwargs)
         out = causal_attention(
             query,
@@ -137,6 +139,8 @@ def attend(module, query, key, value, padding, documents, w, window, **kwargs):
             scale=kwargs.get("scaling"),
             documents=None if documents is None else documents[:, w.keys],  # [B, T]
             padding=padding,
+            softcap=kwargs.get("softcap"),  # Gemma 2
+            sinks=kwargs.get("s_aux"),  # GPT-OSS
         )  # [B, H, C, D]
         return out.transpose(1, 2).contiguous(), None
     mask_function = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
@@ -160,18 +164,13 @@ def attend(module, query, key, value, padding, documents, w, window, **kwargs):
 
 
 def check_fused_kwargs(module, kwargs):
-    """The attention arguments torch_impl.attention cannot honour (parallelize marks such layers
-    dense; a model that passes them without saying so in its config is refused here)."""
-    for name in ("softcap", "s_aux", "sinks"):
-        if kwargs.get(name) is not None:
-            raise ValueError(
-                f"`{IMPLEMENTATION}`: {type(module).__name__} passed `{name}`, which the fused attention "
-                "does not compute; torch_impl.hf.parallelize did not expect it for this model"
-            )
-    if kwargs.get("dropout", 0.0) > 0:
+    """An attention argument torch_impl.attention does not honour is refused rather than dropped:
+    it computes `softcap` (Gemma 2's) and `s_aux` (GPT-OSS's per-head sinks), not `sinks` (a
+    per-token form some models pass)."""
+    if kwargs.get("sinks") is not None:
         raise ValueError(
-            f"`{IMPLEMENTATION}`: {type(module).__name__} asked for attention dropout "
-            f"{kwargs['dropout']}, which the fused attention does not apply"
+            f"`{IMPLEMENTATION}`: {type(module).__name__} passed `sinks`, which the fused attention "
+            "does not compute (it computes per-head sinks passed as `s_aux`)"
         )
 
 

@@ -7,7 +7,6 @@ import logging
 import re
 import sys
 
-import torch
 from torch import nn
 import torch.distributed as dist
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -85,18 +84,6 @@ def _kind(name, module):
     return None
 
 
-def _dense_reason(module):
-    """Why a layer's math must stay the model's own on a dense mask, or None (torch_impl.attention)."""
-    config = module.config
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        return "attention logit soft-capping"
-    if isinstance(getattr(module, "sinks", None), torch.Tensor):
-        return "attention sinks"
-    if getattr(config, "attention_dropout", 0.0) > 0:
-        return "attention dropout"
-    return None
-
-
 def _check_indexed(name, module):
     """An indexed_attention layer is DeepSeek V3.2's / GLM-5's: MLA latents expanded by `expand_kv`
     through a `kv_b_proj` without bias (absorbed exactly), an indexer (or, GLM-5's shared layers,
@@ -138,9 +125,7 @@ def _attention_plan(name, module, group, layout, dense=False):
             f"uses attention {implementation!r}; only 'sdpa' and 'eager' take the global query and key "
             "offsets of a CP rank (flash kernels align causal masks bottom-right)",
         )
-    reason = None if _layer_type(module) == INDEXED else _dense_reason(module)
-    if dense and _layer_type(module) != INDEXED:
-        reason = reason or "parallelize(dense=True)"
+    reason = "parallelize(dense=True)" if dense and _layer_type(module) != INDEXED else None
     return AttentionPlan(group, attend, ALL_MASK_ATTENTION_FUNCTIONS[implementation], reason, layout)
 
 
@@ -169,6 +154,9 @@ def apply_attention(model, attentions):
         module.context_parallel = plan
         kind = _layer_type(module) or type(module).__name__
         paths[kind] = "torch_impl.attention" if plan.dense is None else f"dense [L, T] mask ({plan.dense})"
+        dropout = getattr(module.config, "attention_dropout", 0.0)
+        if plan.dense is None and dropout > 0:  # the fused math applies no dropout
+            paths[kind] += f"; in train mode a dense [L, T] mask (attention dropout {dropout})"
         if kind == INDEXED:
             paths[kind] = "blocked indexer, absorbed sparse attention over the causal prefix's latents"
             mix(module, AbsorbedMLA)
