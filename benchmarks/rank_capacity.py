@@ -10,13 +10,17 @@ global one; one KV head), at hidden size 256 (4 heads of 64), vocabulary 256, fl
 `--hidden`, `--heads`, `--head-dim`, `--vocab`, `--intermediate` set other shapes: `make gpu-check`
 runs Gemma-3-1B's), with activation checkpointing (`hf.checkpoint_kwargs()`). `--model deepseek_v32`
 is DeepSeek V3.2's sparse attention instead (`cp_support.models.capacity_dsa`: 2 layers, MLA with
-16 heads, an indexer picking `--topk` keys per query; variants alone, torch_impl and allgather).
+16 heads, an indexer picking `--topk` keys per query; variants alone, torch_impl and allgather);
+`--model gemma2` (soft-capping, window 512) and `--model gpt_oss` (sinks, window 128) alternate
+sliding and global layers on eager attention, the only one transformers gives them, which is
+also what `alone` and `dense` run.
 Per tokens-per-rank L (global S = n * L), one forward+backward of:
 
   alone       the plain model on the rank's L tokens, no CP: what the rank's own tokens cost
   torch_impl  torch_impl.hf: halos and gathers, then torch_impl.attention (no [L, T] mask)
   dense       torch_impl.hf's transport with the dense [L, T] masks of the model's own sdpa
-              (what torch_impl.hf did before torch_impl.attention; the fallback path)
+              (eager for Gemma 2 and GPT-OSS: what torch_impl.hf did before torch_impl.attention,
+              and for those two until it computed their soft-cap and sinks; the fallback path)
   allgather   cp_support/allgather.py: every attention layer all-gathers K and V (same math)
 
 CPU: each (variant, L) in a fresh process, peak resident set above the resident set after a
@@ -39,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from cp_support.memory import peak_mib, reset_peak
-from cp_support.models import capacity_model
+from cp_support.models import WINDOWS, capacity_model
 
 VARIANTS = ("alone", "torch_impl", "dense", "allgather")
 
@@ -211,7 +215,7 @@ def plot(rows, path, device):
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=8, help="CP ranks; this process plays rank n-1")
-    p.add_argument("--model", choices=("gemma3", "deepseek_v32"), default="gemma3")
+    p.add_argument("--model", choices=("gemma3", "gemma2", "gpt_oss", "deepseek_v32"), default="gemma3")
     p.add_argument("--topk", type=int, default=256, help="deepseek_v32: keys each query picks")
     p.add_argument("--lens", default="1024,2048,4096", help="tokens per rank")
     p.add_argument("--hidden", type=int, default=256)
@@ -220,7 +224,7 @@ def parse(argv):
     p.add_argument("--head-dim", type=int, default=0, help="gemma3: default hidden / heads")
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=0, help="gemma3: default 3 * hidden")
-    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--window", type=int, default=0, help="default: 512 (gpt_oss: 128)")
     p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--variants", help="a comma-separated subset (default: all the model has)")
@@ -231,7 +235,7 @@ def parse(argv):
     p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--child-len", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    known = tuple(v for v in VARIANTS if args.model == "gemma3" or v != "dense")  # DSA has no dense path
+    known = tuple(v for v in VARIANTS if args.model != "deepseek_v32" or v != "dense")  # DSA: no dense path
     args.variants = args.variants or ",".join(known)
     unknown = set(args.variants.split(",")) - set(known)
     if unknown:
@@ -252,7 +256,7 @@ def main(argv=None):
     model = (
         f"DeepSeek V3.2 (build_dsa), top-k {args.topk}"
         if args.model == "deepseek_v32"
-        else f"Gemma 3 layout, hidden {args.hidden}, window {args.window}"
+        else f"{args.model}, hidden {args.hidden}, window {args.window or WINDOWS[args.model]}"
     )
     print(
         f"# one CP rank (rank {args.n - 1} of {args.n}, fake process group) on {device}: {model}, "

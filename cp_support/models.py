@@ -59,18 +59,27 @@ def build_model(name, seq_len, window, dtype, seed=0):
     return model.to(dtype)
 
 
+WINDOWS = {"gemma3": 512, "gemma2": 512, "gpt_oss": 128}  # capacity_model's default sliding windows
+
+
 def capacity_model(args, max_positions):
-    """The benchmarks' one-rank model from their command-line `args`: Gemma 3's text model in the
-    demo's layout (5 sliding layers then a global one, one KV head) at args' sizes, or (`--model
+    """The benchmarks' one-rank model from their command-line `args`, one KV head, at args' sizes:
+    Gemma 3's text model in the demo's layout (5 sliding layers then a global one, sdpa); Gemma 2
+    (`--model gemma2`: attention logit soft-capping 50) or GPT-OSS (`gpt_oss`: attention sinks, 4
+    experts of `--intermediate` (default hidden), 2 a token), sliding and global layers
+    alternating, on eager attention (transformers has no sdpa path for either); or (`--model
     deepseek_v32`) capacity_dsa."""
     import transformers as tf
 
     torch.manual_seed(0)
     if args.model == "deepseek_v32":
         return capacity_dsa(args, max_positions)
-    layer_types = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(args.layers)]
+    period = 6 if args.model == "gemma3" else 2
+    layer_types = [
+        "full_attention" if i % period == period - 1 else "sliding_attention" for i in range(args.layers)
+    ]
     head_dim = args.head_dim or args.hidden // args.heads
-    config = tf.Gemma3TextConfig(
+    common = dict(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
         intermediate_size=args.intermediate or 3 * args.hidden,
@@ -79,11 +88,19 @@ def capacity_model(args, max_positions):
         num_attention_heads=args.heads,
         num_key_value_heads=1,
         head_dim=head_dim,
-        query_pre_attn_scalar=head_dim,
-        sliding_window=args.window,
+        sliding_window=args.window or WINDOWS[args.model],
         max_position_embeddings=max_positions,
-        attn_implementation="sdpa",
     )
+    if args.model == "gpt_oss":
+        common["intermediate_size"] = args.intermediate or args.hidden
+        config = tf.GptOssConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2, attn_implementation="eager"
+        )
+        return tf.GptOssForCausalLM(config)
+    if args.model == "gemma2":
+        config = tf.Gemma2Config(**common, query_pre_attn_scalar=head_dim, attn_implementation="eager")
+        return tf.Gemma2ForCausalLM(config)
+    config = tf.Gemma3TextConfig(**common, query_pre_attn_scalar=head_dim, attn_implementation="sdpa")
     return tf.Gemma3ForCausalLM(config)
 
 

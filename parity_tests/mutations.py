@@ -147,6 +147,34 @@ MUTATIONS += [
         "return masked",
         ("parity_tests/test_attention.py", "-k", "skips_tiles"),
     ),
+    Mutation(
+        "sinks_gradient_of_the_wrong_sign",
+        "torch_impl/attention/tiles.py",
+        "grad_sinks = -(weight * rows).sum((0, 2)).to(sinks.dtype)",
+        "grad_sinks = (weight * rows).sum((0, 2)).to(sinks.dtype)",
+        ("parity_tests/test_attention.py", "-k", "sink"),
+    ),
+    Mutation(
+        "soft_cap_backward_skips_the_tanh_derivative",
+        "torch_impl/attention/tiles.py",
+        "dscores.addcmul_(dscores, capped.square_(), value=-1)",
+        "capped.square_()",
+        ("parity_tests/test_attention.py", "-k", "brute_force and softcap"),
+    ),
+    Mutation(
+        "adapter_drops_gemma2s_soft_cap",
+        "torch_impl/hf/attention.py",
+        'softcap=kwargs.get("softcap"),',
+        "softcap=None,",
+        ("parity_tests/test_hf.py", "-k", "one_process_float64 and gemma2"),
+    ),
+    Mutation(
+        "adapter_drops_gpt_oss_sinks",
+        "torch_impl/hf/attention.py",
+        'sinks=kwargs.get("s_aux"),',
+        "sinks=None,",
+        ("parity_tests/test_hf.py", "-k", "one_process_float64 and gpt_oss"),
+    ),
 ]
 
 

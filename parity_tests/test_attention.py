@@ -239,16 +239,17 @@ def test_random_floats_and_low_precision_keep_the_dtype(dtype, extra, small_tile
 
 
 @pytest.mark.parametrize("window", [None, 1, 3, 8, 13, 40])
-@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("masked,merge", [(False, True), (True, True), (False, False)])
 @pytest.mark.parametrize("L,h", [(1, 0), (16, 0), (16, 5), (16, 30), (13, 47)])
-def test_tile_plan_covers_every_visible_pair_exactly_once(L, h, window, masked):
+def test_tile_plan_covers_every_visible_pair_exactly_once(L, h, window, masked, merge):
     """Tiles do not overlap and every visible (query, key) pair lies in one; no tile sees nothing;
     "full" tiles see every pair and "causal" ones are diagonal squares; a tile with a mask is at
-    most a block square, so no mask grows with L * T."""
+    most a block square, so no mask grows with L * T, and unmerged (soft-capped: explicit scores)
+    none is."""
     T, block = h + L, 4
     rule = attention.mask_mod(h, 0, window, None, None)
     covered = torch.zeros(L, T, dtype=torch.long)
-    for q0, q1, tiles in attention.tile_plan(L, T, window, block, masked):
+    for q0, q1, tiles in attention.tile_plan(L, T, window, block, masked, merge=merge):
         for t in tiles:
             assert (t.q0, t.q1) == (q0, q1) and 0 <= t.k0 < t.k1 <= T
             pairs = rule(0, 0, torch.arange(q0, q1)[:, None], torch.arange(t.k0, t.k1)[None])
@@ -259,6 +260,7 @@ def test_tile_plan_covers_every_visible_pair_exactly_once(L, h, window, masked):
                 assert t.k0 == q0 + h and t.k1 == q1 + h and not masked, t
             else:
                 assert (q1 - q0) <= block and t.k1 - t.k0 <= block, t
+            assert merge or t.k1 - t.k0 <= block, t
             covered[q0:q1, t.k0 : t.k1] += 1
     visible = rule(0, 0, torch.arange(L)[:, None], torch.arange(T)[None])
     assert covered.max() <= 1 and torch.equal(covered.bool() & visible, visible)

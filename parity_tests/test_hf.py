@@ -216,6 +216,8 @@ def test_packed_documents_are_isolated():
         ("lfm2", 2, "aot_eager"),
         ("lfm2", 2, "inductor"),  # inductor once (slow compiles); Gemma 3's: with checkpointing, above
         ("lfm2", 2, "aot_eager_packed_ac"),  # packed rows, checkpointing (the conv hooks keep no state)
+        ("gemma2", 2, "aot_eager"),  # soft-capped tiles
+        ("gpt_oss", 2, "aot_eager"),  # sinks, a parameter through the attention's autograd.Function
     ],
 )
 def test_compiled_decoder_layers_match_eager(pool, name, n, backend):

@@ -26,19 +26,20 @@ class Tile(NamedTuple):
     kind: str  # "full": every pair visible; "causal": the diagonal square; "masked": mask_mod's mask
 
 
-def tile_plan(L, T, window, block, masked, spans=None):
+def tile_plan(L, T, window, block, masked, spans=None, merge=True):
     """Every tile of the attention, grouped by query block: a pure function of the shapes (and,
     for packed documents, of where they start).
 
-    Query block [q0, q1) owns key rows [q0 + off, q1 + off) (off = T - L: its own positions),
-    the "causal" diagonal tile; keys before those come in tiles of `block` rows going left, until
-    the window or row 0 ends them. Without data masks (`masked` False) a tile every query fully
-    sees is "full" and the full tiles of a block merge into one; with padding (or documents not
-    given as spans) every tile is "masked" and keeps its `block` rows, so that no mask exceeds
-    block x block. spans: per query block, (earliest, latest) key rows: the start of its first
-    query's document (the least over the batch) and of its last query's (the most). Keys before
-    `earliest` are in no query's document and get no tile; a tile from `latest` on lies in every
-    query's document and stays unmasked; the tiles between are masked.
+    Query block [q0, q1) owns key rows [q0 + off, q1 + off) (off = T - L: its own positions), the
+    "causal" diagonal tile; keys before those come in tiles of `block` rows going left, until the
+    window or row 0 ends them. Without data masks (`masked` False) a tile every query fully sees is
+    "full" and the full tiles of a block merge into one (unless `merge` is False: explicit scores,
+    each tile then keeps its `block` rows); with padding (or documents not given as spans) every
+    tile is "masked" and keeps its `block` rows, so that no mask exceeds block x block. spans: per
+    query block, (earliest, latest) key rows: the start of its first query's document (the least
+    over the batch) and of its last query's (the most). Keys before `earliest` are in no query's
+    document and get no tile; a tile from `latest` on lies in every query's document and stays
+    unmasked; the tiles between are masked.
     Returns a tuple of (q0, q1, tiles) per query block.
     """
     off, plan = T - L, []
@@ -58,7 +59,7 @@ def tile_plan(L, T, window, block, masked, spans=None):
             k0 = max(lo, k1 - block)
             full = window is None or (q1 - 1 + off) - k0 < window  # the last query still sees k0
             kind = "full" if full and not cut(k0) else "masked"
-            if kind == "full" and tiles[-1].kind == "full":
+            if merge and kind == "full" and tiles[-1].kind == "full":
                 tiles[-1] = tiles[-1]._replace(k0=k0)
             else:
                 tiles.append(Tile(q0, q1, k0, k1, kind))
@@ -99,13 +100,10 @@ class _Visible(NamedTuple):
 
 def _tile_forward(q, key, value, tile, visible, scale, groups, softcap, work):
     """(out [B, H, nq, D], lse [B, H, nq]) of one tile; rows that see no key: zeros and -inf."""
+    if softcap is not None:
+        return _capped_forward(q, key, value, tile, visible, scale, softcap, work)
     k = repeat_kv(key[:, :, tile.k0 : tile.k1], groups)  # [B, H, nk, D]
     v = repeat_kv(value[:, :, tile.k0 : tile.k1], groups)  # [B, H, nk, D]
-    if softcap is not None:
-        scores, _ = _capped_scores(q, k, tile, visible, scale, softcap, work)  # [B, H, nq, nk]
-        lse = scores.logsumexp(-1)  # [B, H, nq]
-        weights = scores.sub_(lse.masked_fill(lse == -math.inf, 0)[..., None]).exp_()  # [B, H, nq, nk]
-        return weights @ v.to(work), lse
     if tile.kind != "masked":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, tile.kind == "causal", scale=scale
@@ -117,25 +115,68 @@ def _tile_forward(q, key, value, tile, visible, scale, groups, softcap, work):
     return out, lse.masked_fill(~seen, -math.inf)
 
 
-def _capped_scores(q, k, tile, visible, scale, softcap, work):
-    """One tile's soft-capped scores cap * tanh(q.k * scale / cap), -inf where unseen ([B, H, nq, nk]
-    in the working dtype), and the tanh itself (its derivative, 1 - tanh^2, is backward's)."""
-    capped = (q.to(work) @ k.to(work).transpose(-1, -2)).mul_(scale / softcap).tanh_()  # [B, H, nq, nk]
-    mask, _ = _tile_mask(tile, visible, work, q.device)  # [B or 1, 1, nq, nk]: 0 or -inf
-    return (capped * softcap).add_(mask), capped
+# --- soft-capped tiles: explicit scores, a key head's query heads stacked into one matrix ----------
 
 
-def _capped_backward(g, q, k, v, rows, row_lse, tile, visible, scale, softcap, work):
-    """(dq, dk, dv) of one soft-capped tile, its softmax the merged row's: with P = exp(S - lse)
-    (S the capped scores) and rows = rowsum(dO * out) ([B, H, nq, 1]), dV = P^T dO,
+def _grouped(t, Hkv):
+    """[B, H, n, ...] -> [B, Hkv, groups * n, ...]: each key head's query heads' rows stacked."""
+    return t.unflatten(1, (Hkv, -1)).flatten(2, 3)
+
+
+def _ungrouped(t, groups):
+    """[B, Hkv, groups * n, ...] -> [B, H, n, ...], _grouped's inverse."""
+    return t.unflatten(2, (groups, -1)).flatten(1, 2)
+
+
+def _capped_scores(q, k, tile, visible, softcap):
+    """(S, tanh) of one tile: S = cap * tanh(q.k), -inf where unseen, and the tanh, whose
+    1 - tanh^2 is backward's. q: [B, Hkv, groups * nq, D], already times scale / cap; k:
+    [B, Hkv, nk, D] -> both [B, Hkv, groups * nq, nk]."""
+    capped = (q @ k.transpose(-1, -2)).tanh_()  # [B, Hkv, g * nq, nk]
+    scores = capped * softcap
+    _mask_scores(scores, tile, visible)
+    return scores, capped
+
+
+def _mask_scores(scores, tile, visible):
+    """-inf, in place, where the tile's queries do not see its keys (scores [B, Hkv, g * nq, nk])."""
+    if tile.kind != "full":
+        mask, _ = _tile_mask(tile, visible, scores.dtype, scores.device)  # [B or 1, 1, nq, nk]
+        scores.unflatten(2, (-1, tile.q1 - tile.q0)).add_(mask[:, :, None])  # every query head alike
+
+
+def _capped_forward(q, key, value, tile, visible, scale, softcap, work):
+    """(out [B, H, nq, D], lse [B, H, nq]) of a soft-capped tile, in `work`; rows that see no key:
+    zeros and -inf."""
+    Hkv, groups = key.shape[1], q.shape[1] // key.shape[1]
+    k, v = (t[:, :, tile.k0 : tile.k1].to(work) for t in (key, value))  # [B, Hkv, nk, D]
+    q = _grouped(q.to(work), Hkv) * (scale / softcap)  # [B, Hkv, g * nq, D]
+    scores = (q @ k.transpose(-1, -2)).tanh_().mul_(softcap)  # [B, Hkv, g * nq, nk]
+    _mask_scores(scores, tile, visible)
+    most = scores.amax(-1, keepdim=True)  # [B, Hkv, g * nq, 1]
+    most.masked_fill_(most == -math.inf, 0)  # rows that see nothing: every weight exp(-inf) = 0
+    weights = scores.sub_(most).exp_()  # [B, Hkv, g * nq, nk]
+    total = weights.sum(-1, keepdim=True)  # [B, Hkv, g * nq, 1]
+    out = (weights @ v).div_(total.clamp_min(torch.finfo(work).tiny))  # [B, Hkv, g * nq, D]
+    return _ungrouped(out, groups), _ungrouped((most + total.log()).squeeze(-1), groups)
+
+
+def _capped_backward(g, q, key, value, rows, row_lse, tile, visible, scale, softcap, work):
+    """(dq [B, H, nq, D], dk, dv [B, Hkv, nk, D]) of one soft-capped tile, its softmax the merged
+    row's: with P = exp(S - lse) and rows = rowsum(dO * out) ([B, H, nq, 1]), dV = P^T dO,
     dS = P * (dO V^T - rows), and through the cap d(q.k * scale) = dS * (1 - tanh^2):
-    dQ = that K * scale, dK = its transpose Q * scale."""
-    q, k, v, g = q.to(work), k.to(work), v.to(work), g.to(work)
-    scores, capped = _capped_scores(q, k, tile, visible, scale, softcap, work)  # [B, H, nq, nk]
-    weights = scores.sub_(row_lse[..., None]).exp_()  # [B, H, nq, nk]
-    dscores = (g @ v.transpose(-1, -2)).sub_(rows).mul_(weights)  # [B, H, nq, nk]
-    dscores.mul_(capped.square_().neg_().add_(1)).mul_(scale)  # d(q.k): through tanh and the scale
-    return dscores @ k, dscores.transpose(-1, -2) @ q, weights.transpose(-1, -2) @ g
+    dQ = that K * scale, dK = its transpose Q * scale (summed over a key head's query heads)."""
+    Hkv, groups = key.shape[1], q.shape[1] // key.shape[1]
+    g, rows, row_lse = (_grouped(t.to(work), Hkv) for t in (g, rows, row_lse))  # [B, Hkv, g * nq, ..]
+    q = _grouped(q.to(work), Hkv) * (scale / softcap)  # [B, Hkv, g * nq, D]
+    k, v = (t[:, :, tile.k0 : tile.k1].to(work) for t in (key, value))  # [B, Hkv, nk, D]
+    scores, capped = _capped_scores(q, k, tile, visible, softcap)  # [B, Hkv, g * nq, nk]
+    weights = scores.sub_(row_lse[..., None]).exp_()
+    dscores = (g @ v.transpose(-1, -2)).sub_(rows).mul_(weights)
+    dscores.addcmul_(dscores, capped.square_(), value=-1)  # through the cap: * (1 - tanh^2)
+    dq = _ungrouped((dscores @ k).mul_(scale), groups)  # [B, H, nq, D]
+    dk = (dscores.transpose(-1, -2) @ q).mul_(softcap)  # q holds scale / cap: times cap is scale
+    return dq, dk, weights.transpose(-1, -2) @ g
 
 
 def _merge(out, lse, tile_out, tile_lse):
@@ -172,9 +213,9 @@ class TiledAttention(torch.autograd.Function):
         block = BLOCK["window" if window is not None else "masked" if masked or softcap else "global"]
         compiling = torch.compiler.is_compiling()  # document_spans reads the ids on the host
         spans = None if documents is None or compiling else document_spans(documents, L, block)
+        masked_tiles = padding is not None or documents is not None and spans is None
         # soft-capped scores are explicit: every tile keeps its block rows, so none exceeds block^2
-        masked_tiles = padding is not None or softcap is not None or documents is not None and spans is None
-        plan = tile_plan(L, key.shape[2], window, block, masked_tiles, spans)
+        plan = tile_plan(L, key.shape[2], window, block, masked_tiles, spans, merge=softcap is None)
         work = torch.float64 if query.dtype == torch.float64 else torch.float32  # merging precision
         out = query.new_empty(B, H, L, D)  # [B, H, L, D]
         lse = query.new_empty(B, H, L, dtype=work)  # [B, H, L]
@@ -209,22 +250,23 @@ class TiledAttention(torch.autograd.Function):
             if ctx.softcap is not None:
                 rows = (g.to(ctx.work) * o.to(ctx.work)).sum(-1, keepdim=True)  # [B, H, nq, 1]
             for tile in tiles:
-                k = repeat_kv(key[:, :, tile.k0 : tile.k1], groups)  # [B, H, nk, D]
-                v = repeat_kv(value[:, :, tile.k0 : tile.k1], groups)  # [B, H, nk, D]
                 if ctx.softcap is not None:
                     dq, dk, dv = _capped_backward(
-                        g, q, k, v, rows, row_lse, tile, ctx.visible, ctx.scale, ctx.softcap, ctx.work
+                        g, q, key, value, rows, row_lse, tile, ctx.visible, ctx.scale, ctx.softcap, ctx.work
                     )
                 else:
+                    k = repeat_kv(key[:, :, tile.k0 : tile.k1], groups)  # [B, H, nk, D]
+                    v = repeat_kv(value[:, :, tile.k0 : tile.k1], groups)  # [B, H, nk, D]
                     mask = None
                     if tile.kind == "masked":
                         mask, _ = _tile_mask(tile, ctx.visible, query.dtype, query.device)
                     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                         g, q, k, v, o, row_lse, 0.0, tile.kind == "causal", attn_mask=mask, scale=ctx.scale
                     )
+                    dk, dv = (t.unflatten(1, (Hkv, groups)).sum(2) for t in (dk, dv))  # [B, Hkv, nk, D]
                 grad_q[:, :, q0:q1] += dq
-                grad_k[:, :, tile.k0 : tile.k1] += dk.unflatten(1, (Hkv, groups)).sum(2)  # [B, Hkv, nk, D]
-                grad_v[:, :, tile.k0 : tile.k1] += dv.unflatten(1, (Hkv, groups)).sum(2)  # [B, Hkv, nk, D]
+                grad_k[:, :, tile.k0 : tile.k1] += dk
+                grad_v[:, :, tile.k0 : tile.k1] += dv
         grad_sinks = None
         if sinks is not None and ctx.needs_input_grad[10]:
             rows = (grad.to(ctx.work) * out.to(ctx.work)).sum(-1)  # [B, H, L]: rowsum(dO * out')

@@ -28,10 +28,11 @@ attention implementation (`config._attn_implementation = "cp_transport"`, throug
 The model decides which layers slide: its mask factory (`create_sliding_window_causal_mask`) calls
 this implementation's mask function with the window, which returns a `LocalMask` that the model
 routes to those layers. The math is `torch_impl.attention.causal_attention` (fused kernels, no
-[L, T] mask), except for layers whose model math it does not reproduce (soft-capping, attention
-sinks, attention dropout): those keep the model's own mask and attention functions (`sdpa`, or its
-module's `eager_attention_forward`) on a dense [L, T] mask. Packed sequences (position_ids that
-restart, no attention_mask, no cache: when transformers isolates the documents) add document ids,
+[L, T] mask; Gemma 2's soft-capping and GPT-OSS's sinks included), except attention dropout in
+train mode, which it does not apply: such calls keep the model's own mask and attention functions
+(`sdpa`, or its module's `eager_attention_forward`) on a dense [L, T] mask. Packed sequences
+(position_ids that restart, no attention_mask, no cache: when transformers isolates the documents)
+add document ids,
 made once per forward from the gathered positions. Whatever this cannot make exact raises
 `ValueError`: at `parallelize` (recurrent layers, cross or bidirectional attention, chunked
 attention, unknown sequence convolutions, flash/flex kernels), or at the first call (a KV cache
