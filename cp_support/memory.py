@@ -26,15 +26,29 @@ def peak_mib():
     return _status_kib("VmHWM") / 1024
 
 
-class LargestTensor(TorchDispatchMode):
+class SeesInside(TorchDispatchMode):
+    """A dispatch mode that sees the ops inside the library's own (`torch_impl::`, e.g. the CPU
+    attention's `tiled_attention`), which would otherwise reach it as one op: their CPU kernel runs
+    under the mode. Subclasses define `op(func, args, kwargs)`, called for every other op."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "torch_impl":
+            with self:
+                kernel = torch.library.get_kernel(func, "CPU")
+                return kernel.call_boxed(torch.DispatchKeySet("CPU"), *args, **kwargs)
+        return self.op(func, args, kwargs)
+
+
+class LargestTensor(SeesInside):
     """with LargestTensor() as m: ...; then m.numel, the most elements of any tensor an op made."""
 
     def __init__(self):
         super().__init__()
         self.numel = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+    def op(self, func, args, kwargs):
+        out = func(*args, **kwargs)
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
                 self.numel = max(self.numel, t.numel())

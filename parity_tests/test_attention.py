@@ -307,15 +307,15 @@ def test_tile_plan_skips_tiles_across_documents(L, h, window):
 def test_a_skipped_tile_is_never_computed():
     """The fused CPU op sees only the planned tiles' keys, forward and backward: on packed rows
     whose queries' documents start late, a fraction of the unskipped plan's, and exact."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from cp_support.memory import SeesInside
 
-    class KeyRows(TorchDispatchMode):
+    class KeyRows(SeesInside):
         rows = 0
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        def op(self, func, args, kwargs):
             if "flash_attention_for_cpu" in str(func):
                 KeyRows.rows += args[2].shape[2]  # the tile's keys (forward and backward: args[2])
-            return func(*args, **(kwargs or {}))
+            return func(*args, **kwargs)
 
     L, T, block = 512, 2048, attention.tiles.BLOCK["masked"]
     docs = torch.cat([torch.zeros(T - 600, dtype=torch.long), torch.ones(600, dtype=torch.long)])[None]

@@ -18,7 +18,7 @@ grows with L * T.
 | CUDA   | global, no documents, padding, cap, sinks  | flash attention, causal aligned bottom-right        |
 | CUDA   | the rest (windows, documents, padding,     | flex_attention, BlockMask built from `mask_mod`;    |
 |        | soft-capping, sinks)                       | the cap a `score_mod`, sinks through its lse        |
-| CPU    | all                                        | `TiledAttention`: query blocks over key tiles (the  |
+| CPU    | all                                        | `tiled_attention`: query blocks over key tiles (the |
 |        |                                            | CPU flash op; soft-capped: explicit block-sized     |
 |        |                                            | scores), merged by log-sum-exp, sinks joined to the |
 |        |                                            | merged lse, exact backward recomputing each tile    |
@@ -35,16 +35,16 @@ CPU tiles, `make gpu-check`). Modules: `rule` (the visibility rule and the argum
 from torch_impl.attention.kernels import KERNELS, causal_attention, choose_kernel
 from torch_impl.attention.rule import check_arguments, mask_mod
 from torch_impl.attention.sparse_mla import sparse_mla_attention
-from torch_impl.attention.tiles import Tile, TiledAttention, tile_plan
+from torch_impl.attention.tiles import Tile, tile_plan, tiled_attention
 
 __all__ = [
     "KERNELS",
     "Tile",
-    "TiledAttention",
     "causal_attention",
     "check_arguments",
     "choose_kernel",
     "mask_mod",
     "sparse_mla_attention",
     "tile_plan",
+    "tiled_attention",
 ]

@@ -6,7 +6,7 @@ import math
 import torch
 
 from torch_impl.attention.rule import check_arguments, mask_mod, repeat_kv
-from torch_impl.attention.tiles import TiledAttention
+from torch_impl.attention.tiles import tiled_attention
 
 
 def causal_attention(
@@ -108,9 +108,9 @@ def _capped(score, b, h, q_idx, kv_idx, softcap):
 
 
 def _tiled(query, key, value, q_start, k_start, window, scale, documents, padding, softcap, sinks):
-    return TiledAttention.apply(
+    return tiled_attention(
         query, key, value, q_start, k_start, window, scale, documents, padding, softcap, sinks
-    )
+    )[0]
 
 
 KERNELS = {"flash": _flash, "flex": _flex, "tiled": _tiled}

@@ -187,89 +187,170 @@ def _merge(out, lse, tile_out, tile_lse):
     return out, merged
 
 
-class TiledAttention(torch.autograd.Function):
-    """Exact attention as query blocks over key tiles, with the memory of flash attention.
+def _plan(query, key, q_start, k_start, window, documents, padding, softcap):
+    """(tile_plan, _Visible) of one call: the same in forward and backward (pure, one host read of
+    the documents where they run in order)."""
+    B, _, L, _ = query.shape
+    masked = documents is not None or padding is not None  # masks that differ per row
+    visible = _Visible(mask_mod(q_start, k_start, window, documents, padding), B if masked else 1)
+    block = BLOCK["window" if window is not None else "masked" if masked or softcap else "global"]
+    spans = None if documents is None else document_spans(documents, L, block)
+    masked_tiles = padding is not None or documents is not None and spans is None
+    # soft-capped scores are explicit: every tile keeps its block rows, so none exceeds block^2
+    return tile_plan(L, key.shape[2], window, block, masked_tiles, spans, merge=softcap is None), visible
+
+
+def _work(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32  # merging precision
+
+
+@torch.library.custom_op("torch_impl::tiled_attention", mutates_args=())
+def tiled_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    q_start: int,
+    k_start: int,
+    window: int | None,
+    scale: float,
+    documents: torch.Tensor | None,
+    padding: torch.Tensor | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention as query blocks over key tiles, with the memory of flash attention: one op
+    (torch.library), so that torch.compile keeps it whole and activation checkpointing can keep its
+    output (hf.checkpoint_kwargs() does) instead of running it again.
 
     Forward: 1. for every query block, each of its tiles through the fused CPU op (soft-capped:
     explicit scores of at most a block square), which returns the tile's output and log-sum-exp;
     2. merge the tiles by log-sum-exp into the block's output; 3. sinks (a logit s_h per query head
     that joins every row's softmax denominator and contributes no value): lse' = logaddexp(lse,
-    s_h), out' = out * exp(lse - lse') (= out * sigmoid(lse - s_h)); 4. keep only out' and lse'
-    (masks are rebuilt, never saved).
-    Backward: the same plan; each tile's backward takes the *merged* out' and lse' (so its softmax is
-    the whole row's, sink included, as in torch's ring attention): with P' = exp(S - lse'),
-    dS = P' * (dO V^T - rowsum(dO * out')), exact with a sink too since rowsum(dO * out') is the row's
-    sum of P' dO V^T; dq adds up over the tiles, dk and dv over the query blocks (and a key head's
-    query heads). The sink's weight is exp(s_h - lse') and its logit's gradient
-    -sum over rows of exp(s_h - lse') * rowsum(dO * out').
+    s_h), out' = out * exp(lse - lse') (= out * sigmoid(lse - s_h)); 4. return out' [B, H, L, D]
+    and lse' [B, H, L] (float32, float64 for float64 inputs): masks are rebuilt, never saved. lse'
+    is for the backward; `causal_attention` returns out' alone (no gradient flows into lse').
+    Backward (`tiled_attention_backward`): the same plan; each tile's backward takes the *merged*
+    out' and lse' (so its softmax is the whole row's, sink included, as in torch's ring attention):
+    with P' = exp(S - lse'), dS = P' * (dO V^T - rowsum(dO * out')), exact with a sink too since
+    rowsum(dO * out') is the row's sum of P' dO V^T; dq adds up over the tiles, dk and dv over the
+    query blocks (and a key head's query heads). The sink's weight is exp(s_h - lse') and its
+    logit's gradient -sum over rows of exp(s_h - lse') * rowsum(dO * out').
     """
+    B, H, L, D = query.shape
+    groups = H // key.shape[1]
+    plan, visible = _plan(query, key, q_start, k_start, window, documents, padding, softcap)
+    work = _work(query.dtype)
+    out = query.new_empty(B, H, L, D)  # [B, H, L, D]
+    lse = query.new_empty(B, H, L, dtype=work)  # [B, H, L]
+    for q0, q1, tiles in plan:
+        q = query[:, :, q0:q1]  # [B, H, nq, D]
+        acc, acc_lse = None, None
+        for tile in tiles:
+            tile_out, tile_lse = _tile_forward(q, key, value, tile, visible, scale, groups, softcap, work)
+            tile_out, tile_lse = tile_out.to(work), tile_lse.to(work)
+            acc, acc_lse = (tile_out, tile_lse) if acc is None else _merge(acc, acc_lse, tile_out, tile_lse)
+        if sinks is not None:
+            with_sink = torch.logaddexp(acc_lse, sinks.to(work)[None, :, None])  # [B, H, nq]
+            acc, acc_lse = acc * (acc_lse - with_sink).exp()[..., None], with_sink
+        out[:, :, q0:q1] = acc
+        lse[:, :, q0:q1] = acc_lse
+    return out, lse
 
-    @staticmethod
-    def forward(ctx, query, key, value, q_start, k_start, window, scale, documents, padding, softcap, sinks):
-        B, H, L, D = query.shape
-        groups = H // key.shape[1]
-        masked = documents is not None or padding is not None  # masks that differ per row
-        visible = _Visible(mask_mod(q_start, k_start, window, documents, padding), B if masked else 1)
-        block = BLOCK["window" if window is not None else "masked" if masked or softcap else "global"]
-        compiling = torch.compiler.is_compiling()  # document_spans reads the ids on the host
-        spans = None if documents is None or compiling else document_spans(documents, L, block)
-        masked_tiles = padding is not None or documents is not None and spans is None
-        # soft-capped scores are explicit: every tile keeps its block rows, so none exceeds block^2
-        plan = tile_plan(L, key.shape[2], window, block, masked_tiles, spans, merge=softcap is None)
-        work = torch.float64 if query.dtype == torch.float64 else torch.float32  # merging precision
-        out = query.new_empty(B, H, L, D)  # [B, H, L, D]
-        lse = query.new_empty(B, H, L, dtype=work)  # [B, H, L]
-        for q0, q1, tiles in plan:
-            q = query[:, :, q0:q1]  # [B, H, nq, D]
-            acc, acc_lse = None, None
-            for tile in tiles:
-                tile_out, tile_lse = _tile_forward(q, key, value, tile, visible, scale, groups, softcap, work)
-                tile_out, tile_lse = tile_out.to(work), tile_lse.to(work)
-                acc, acc_lse = (
-                    (tile_out, tile_lse) if acc is None else _merge(acc, acc_lse, tile_out, tile_lse)
+
+@tiled_attention.register_fake
+def _(query, key, value, q_start, k_start, window, scale, documents, padding, softcap, sinks):
+    return torch.empty_like(query), query.new_empty(query.shape[:3], dtype=_work(query.dtype))
+
+
+@torch.library.custom_op("torch_impl::tiled_attention_backward", mutates_args=())
+def tiled_attention_backward(
+    grad: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q_start: int,
+    k_start: int,
+    window: int | None,
+    scale: float,
+    documents: torch.Tensor | None,
+    padding: torch.Tensor | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_q, grad_k, grad_v, grad_sinks) of `tiled_attention` (its docstring states them);
+    grad_sinks is empty without sinks."""
+    B, Hkv, T, D = key.shape
+    groups = query.shape[1] // Hkv
+    plan, visible = _plan(query, key, q_start, k_start, window, documents, padding, softcap)
+    work = _work(query.dtype)
+    lse = lse.masked_fill(lse == -math.inf, math.inf)  # rows that saw nothing: every weight 0
+    grad = grad.contiguous()
+    grad_q, grad_k, grad_v = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+    for q0, q1, tiles in plan:
+        q, g, o = query[:, :, q0:q1], grad[:, :, q0:q1], out[:, :, q0:q1]  # [B, H, nq, D]
+        row_lse = lse[:, :, q0:q1]  # [B, H, nq]
+        if softcap is not None:
+            rows = (g.to(work) * o.to(work)).sum(-1, keepdim=True)  # [B, H, nq, 1]
+        for tile in tiles:
+            if softcap is not None:
+                dq, dk, dv = _capped_backward(
+                    g, q, key, value, rows, row_lse, tile, visible, scale, softcap, work
                 )
-            if sinks is not None:
-                with_sink = torch.logaddexp(acc_lse, sinks.to(work)[None, :, None])  # [B, H, nq]
-                acc, acc_lse = acc * (acc_lse - with_sink).exp()[..., None], with_sink
-            out[:, :, q0:q1] = acc
-            lse[:, :, q0:q1] = acc_lse
-        ctx.save_for_backward(query, key, value, out, lse, sinks)
-        ctx.plan, ctx.visible, ctx.scale, ctx.softcap, ctx.work = plan, visible, scale, softcap, work
-        return out
+            else:
+                k = repeat_kv(key[:, :, tile.k0 : tile.k1], groups)  # [B, H, nk, D]
+                v = repeat_kv(value[:, :, tile.k0 : tile.k1], groups)  # [B, H, nk, D]
+                mask = None
+                if tile.kind == "masked":
+                    mask, _ = _tile_mask(tile, visible, query.dtype, query.device)
+                dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    g, q, k, v, o, row_lse, 0.0, tile.kind == "causal", attn_mask=mask, scale=scale
+                )
+                dk, dv = (t.unflatten(1, (Hkv, groups)).sum(2) for t in (dk, dv))  # [B, Hkv, nk, D]
+            grad_q[:, :, q0:q1] += dq
+            grad_k[:, :, tile.k0 : tile.k1] += dk
+            grad_v[:, :, tile.k0 : tile.k1] += dv
+    grad_sinks = query.new_empty(0)
+    if sinks is not None:
+        rows = (grad.to(work) * out.to(work)).sum(-1)  # [B, H, L]: rowsum(dO * out')
+        weight = (sinks.to(work)[None, :, None] - lse).exp()  # [B, H, L]: the sink's weight
+        grad_sinks = -(weight * rows).sum((0, 2)).to(sinks.dtype)  # [H]
+    return grad_q, grad_k, grad_v, grad_sinks
 
-    @staticmethod
-    def backward(ctx, grad):
-        query, key, value, out, lse, sinks = ctx.saved_tensors
-        B, Hkv, T, D = key.shape
-        groups = query.shape[1] // Hkv
-        lse = lse.masked_fill(lse == -math.inf, math.inf)  # rows that saw nothing: every weight 0
-        grad_q, grad_k, grad_v = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
-        for q0, q1, tiles in ctx.plan:
-            q, g, o = query[:, :, q0:q1], grad[:, :, q0:q1].contiguous(), out[:, :, q0:q1]  # [B, H, nq, D]
-            row_lse = lse[:, :, q0:q1]  # [B, H, nq]
-            if ctx.softcap is not None:
-                rows = (g.to(ctx.work) * o.to(ctx.work)).sum(-1, keepdim=True)  # [B, H, nq, 1]
-            for tile in tiles:
-                if ctx.softcap is not None:
-                    dq, dk, dv = _capped_backward(
-                        g, q, key, value, rows, row_lse, tile, ctx.visible, ctx.scale, ctx.softcap, ctx.work
-                    )
-                else:
-                    k = repeat_kv(key[:, :, tile.k0 : tile.k1], groups)  # [B, H, nk, D]
-                    v = repeat_kv(value[:, :, tile.k0 : tile.k1], groups)  # [B, H, nk, D]
-                    mask = None
-                    if tile.kind == "masked":
-                        mask, _ = _tile_mask(tile, ctx.visible, query.dtype, query.device)
-                    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                        g, q, k, v, o, row_lse, 0.0, tile.kind == "causal", attn_mask=mask, scale=ctx.scale
-                    )
-                    dk, dv = (t.unflatten(1, (Hkv, groups)).sum(2) for t in (dk, dv))  # [B, Hkv, nk, D]
-                grad_q[:, :, q0:q1] += dq
-                grad_k[:, :, tile.k0 : tile.k1] += dk
-                grad_v[:, :, tile.k0 : tile.k1] += dv
-        grad_sinks = None
-        if sinks is not None and ctx.needs_input_grad[10]:
-            rows = (grad.to(ctx.work) * out.to(ctx.work)).sum(-1)  # [B, H, L]: rowsum(dO * out')
-            weight = (sinks.to(ctx.work)[None, :, None] - lse).exp()  # [B, H, L]: the sink's weight
-            grad_sinks = -(weight * rows).sum((0, 2)).to(sinks.dtype)  # [H]
-        return grad_q, grad_k, grad_v, None, None, None, None, None, None, None, grad_sinks
+
+@tiled_attention_backward.register_fake
+def _(grad, query, key, value, out, lse, q_start, k_start, window, scale, documents, padding, softcap, sinks):
+    grad_sinks = query.new_empty(0) if sinks is None else torch.empty_like(sinks)
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), grad_sinks
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, q_start, k_start, window, scale, documents, padding, softcap, sinks = inputs
+    ctx.save_for_backward(query, key, value, *output, documents, padding, sinks)
+    ctx.mark_non_differentiable(output[1])
+    ctx.args = q_start, k_start, window, scale, softcap
+
+
+def _backward(ctx, grad, _grad_lse):
+    query, key, value, out, lse, documents, padding, sinks = ctx.saved_tensors
+    q_start, k_start, window, scale, softcap = ctx.args
+    grad_q, grad_k, grad_v, grad_sinks = tiled_attention_backward(
+        grad, query, key, value, out, lse, q_start, k_start, window, scale, documents, padding, softcap, sinks
+    )
+    return (
+        grad_q,
+        grad_k,
+        grad_v,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None if sinks is None else grad_sinks,
+    )
+
+
+tiled_attention.register_autograd(_backward, setup_context=_setup_context)

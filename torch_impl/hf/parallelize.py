@@ -223,20 +223,23 @@ def parallelize(model, group, *, layout="contiguous", validate=True, verbose=Tru
     return model
 
 
-def _save_collectives(ctx, op, *args, **kwargs):
-    if op.namespace == "_c10d_functional":
+def _save_collectives_and_attention(ctx, op, *args, **kwargs):
+    if op.namespace in ("_c10d_functional", "torch_impl"):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def checkpoint_kwargs():
-    """Activation checkpointing that keeps the outputs of the transport's collectives instead of
-    recomputing them: `model.activation_checkpointing_enable(activation_checkpointing_kwargs=
-    hf.checkpoint_kwargs())` (older transformers: `gradient_checkpointing_enable`). Required with
-    torch.compile: recomputed inside a compiled backward, a collective whose output a rank does not
-    need (rank 0's empty halo) is dropped by the compiler on that rank only, and its peers wait
-    forever. (Eager recomputation runs every collective on every rank again, in order.)"""
+    """Activation checkpointing that keeps the outputs of the transport's collectives and of the
+    CPU attention op (`torch_impl::tiled_attention`: its output and log-sum-exp, [B, H, L, D] and
+    [B, H, L] a layer) instead of recomputing them: `model.activation_checkpointing_enable(
+    activation_checkpointing_kwargs=hf.checkpoint_kwargs())` (older transformers:
+    `gradient_checkpointing_enable`). The attention then runs once forward and once backward, not
+    twice forward. Required with torch.compile: recomputed inside a compiled backward, a collective
+    whose output a rank does not need (rank 0's empty halo) is dropped by the compiler on that rank
+    only, and its peers wait forever. (Eager recomputation runs every collective on every rank
+    again, in order.)"""
     return {
         "use_reentrant": False,
-        "context_fn": partial(create_selective_checkpoint_contexts, _save_collectives),
+        "context_fn": partial(create_selective_checkpoint_contexts, _save_collectives_and_attention),
     }
