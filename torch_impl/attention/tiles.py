@@ -259,7 +259,7 @@ def tiled_attention(
 
 @tiled_attention.register_fake
 def _(query, key, value, q_start, k_start, window, scale, documents, padding, softcap, sinks):
-    return torch.empty_like(query), query.new_empty(query.shape[:3], dtype=_work(query.dtype))
+    return query.new_empty(query.shape), query.new_empty(query.shape[:3], dtype=_work(query.dtype))
 
 
 @torch.library.custom_op("torch_impl::tiled_attention_backward", mutates_args=())
@@ -286,10 +286,9 @@ def tiled_attention_backward(
     plan, visible = _plan(query, key, q_start, k_start, window, documents, padding, softcap)
     work = _work(query.dtype)
     lse = lse.masked_fill(lse == -math.inf, math.inf)  # rows that saw nothing: every weight 0
-    grad = grad.contiguous()
     grad_q, grad_k, grad_v = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
     for q0, q1, tiles in plan:
-        q, g, o = query[:, :, q0:q1], grad[:, :, q0:q1], out[:, :, q0:q1]  # [B, H, nq, D]
+        q, g, o = query[:, :, q0:q1], grad[:, :, q0:q1].contiguous(), out[:, :, q0:q1]  # [B, H, nq, D]
         row_lse = lse[:, :, q0:q1]  # [B, H, nq]
         if softcap is not None:
             rows = (g.to(work) * o.to(work)).sum(-1, keepdim=True)  # [B, H, nq, 1]
