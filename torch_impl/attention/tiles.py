@@ -128,21 +128,13 @@ def _ungrouped(t, groups):
     return t.unflatten(2, (groups, -1)).flatten(1, 2)
 
 
-def _capped_scores(q, k, tile, visible, softcap):
-    """(S, tanh) of one tile: S = cap * tanh(q.k), -inf where unseen, and the tanh, whose
-    1 - tanh^2 is backward's. q: [B, Hkv, groups * nq, D], already times scale / cap; k:
-    [B, Hkv, nk, D] -> both [B, Hkv, groups * nq, nk]."""
-    capped = (q @ k.transpose(-1, -2)).tanh_()  # [B, Hkv, g * nq, nk]
-    scores = capped * softcap
-    _mask_scores(scores, tile, visible)
-    return scores, capped
-
-
-def _mask_scores(scores, tile, visible):
-    """-inf, in place, where the tile's queries do not see its keys (scores [B, Hkv, g * nq, nk])."""
+def _hide_unseen(t, tile, visible):
+    """t ([B, Hkv, groups * nq, nk], a tile's scores or exponents) -inf, in place, where its
+    queries do not see its keys; returns t."""
     if tile.kind != "full":
-        mask, _ = _tile_mask(tile, visible, scores.dtype, scores.device)  # [B or 1, 1, nq, nk]
-        scores.unflatten(2, (-1, tile.q1 - tile.q0)).add_(mask[:, :, None])  # every query head alike
+        mask, _ = _tile_mask(tile, visible, t.dtype, t.device)  # [B or 1, 1, nq, nk]: 0 or -inf
+        t.unflatten(2, (-1, tile.q1 - tile.q0)).add_(mask[:, :, None])  # every query head alike
+    return t
 
 
 def _capped_forward(q, key, value, tile, visible, scale, softcap, work):
@@ -151,11 +143,10 @@ def _capped_forward(q, key, value, tile, visible, scale, softcap, work):
     Hkv, groups = key.shape[1], q.shape[1] // key.shape[1]
     k, v = (t[:, :, tile.k0 : tile.k1].to(work) for t in (key, value))  # [B, Hkv, nk, D]
     q = _grouped(q.to(work), Hkv) * (scale / softcap)  # [B, Hkv, g * nq, D]
-    scores = (q @ k.transpose(-1, -2)).tanh_().mul_(softcap)  # [B, Hkv, g * nq, nk]
-    _mask_scores(scores, tile, visible)
-    most = scores.amax(-1, keepdim=True)  # [B, Hkv, g * nq, 1]
+    capped = _hide_unseen((q @ k.transpose(-1, -2)).tanh_(), tile, visible)  # [B, Hkv, g * nq, nk]
+    most = capped.amax(-1, keepdim=True).mul_(softcap)  # [B, Hkv, g * nq, 1]: the largest S
     most.masked_fill_(most == -math.inf, 0)  # rows that see nothing: every weight exp(-inf) = 0
-    weights = scores.sub_(most).exp_()  # [B, Hkv, g * nq, nk]
+    weights = torch.add(-most, capped, alpha=softcap, out=capped).exp_()  # exp(S - most), in place
     total = weights.sum(-1, keepdim=True)  # [B, Hkv, g * nq, 1]
     out = (weights @ v).div_(total.clamp_min(torch.finfo(work).tiny))  # [B, Hkv, g * nq, D]
     return _ungrouped(out, groups), _ungrouped((most + total.log()).squeeze(-1), groups)
@@ -170,8 +161,8 @@ def _capped_backward(g, q, key, value, rows, row_lse, tile, visible, scale, soft
     g, rows, row_lse = (_grouped(t.to(work), Hkv) for t in (g, rows, row_lse))  # [B, Hkv, g * nq, ..]
     q = _grouped(q.to(work), Hkv) * (scale / softcap)  # [B, Hkv, g * nq, D]
     k, v = (t[:, :, tile.k0 : tile.k1].to(work) for t in (key, value))  # [B, Hkv, nk, D]
-    scores, capped = _capped_scores(q, k, tile, visible, softcap)  # [B, Hkv, g * nq, nk]
-    weights = scores.sub_(row_lse[..., None]).exp_()
+    capped = (q @ k.transpose(-1, -2)).tanh_()  # [B, Hkv, g * nq, nk]: S = cap * capped
+    weights = _hide_unseen(torch.add(-row_lse[..., None], capped, alpha=softcap), tile, visible).exp_()
     dscores = (g @ v.transpose(-1, -2)).sub_(rows).mul_(weights)
     dscores.addcmul_(dscores, capped.square_(), value=-1)  # through the cap: * (1 - tanh^2)
     dq = _ungrouped((dscores @ k).mul_(scale), groups)  # [B, H, nq, D]
