@@ -47,7 +47,7 @@ bench-capacity: $(STAMP)
 	$(PY) -m benchmarks.rank_capacity --model deepseek_v32 --variants alone,torch_impl \
 		--json out/rank_capacity_dsa.json --plot out/rank_capacity_dsa.png
 	for model in gemma2 gpt_oss; do \
-		$(PY) -m benchmarks.rank_capacity --model $$model --lens 4096 --reps 2 --variants alone,torch_impl,dense \
+		$(PY) -m benchmarks.rank_capacity --model $$model --lens 4096 --reps 2 --variants alone,torch_impl \
 			--json out/rank_capacity_$$model.json --plot out/rank_capacity_$$model.png || exit 1; \
 	done
 

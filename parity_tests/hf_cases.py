@@ -73,6 +73,24 @@ def cp_step(
     }
 
 
+def dropout_calls(group, batch):
+    """Mistral with attention dropout 0.1: the calls that reach torch_impl.attention in eval mode
+    and in train mode (where the dense fallback applies the dropout), and the printed plan."""
+    model = hf_models.build("mistral")
+    model.config.attention_dropout = 0.1
+    for module in model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.1
+    hf.parallelize(model, group, verbose=False)
+    calls = []
+    for train in (False, True):
+        model.train(train)
+        with CallCounter(hf_attention, "causal_attention") as fused:
+            model(**hf.shard_batch(batch, group)).loss.backward()
+        calls.append(fused.calls)
+    return model.cp_transport_paths, calls
+
+
 class CallCounter:
     """with CallCounter(module, name): counts the calls of module.name (restored afterwards)."""
 

@@ -74,6 +74,15 @@ def test_the_dense_option_keeps_the_models_own_math(pool, layout):
             assert res["paths"] == ["parallelize(dense=True)"] * 2 and res["fused_calls"] == 0
 
 
+def test_attention_dropout_falls_back_in_train_mode_only(pool):
+    """A layer with attention dropout runs torch_impl.attention in eval mode and the model's own
+    math on a dense mask in train mode (the fused math applies no dropout); the plan says so."""
+    batch = hf_models.make_batch()
+    for paths, (eval_calls, train_calls) in pool.run(("first", 2), hf_cases.dropout_calls, batch)[0]:
+        assert eval_calls == 2 and train_calls == 0, (eval_calls, train_calls)
+        assert "in train mode a dense [L, T] mask (attention dropout 0.1)" in str(paths), paths
+
+
 # --- the head_tail layout --------------------------------------------------------------------
 
 
