@@ -175,6 +175,20 @@ MUTATIONS += [
         "sinks=None,",
         ("parity_tests/test_hf.py", "-k", "one_process_float64 and gpt_oss"),
     ),
+    Mutation(  # each CP rank counts its replica's whole batch: the loss, and SGD's step, 1/cp as large
+        "trainer_count_not_divided_by_cp",
+        "torch_impl/hf/trainer.py",
+        "    def get_cp_size(self):\n        return self.cp_size",
+        "    def get_cp_size(self):\n        return 1",
+        ("parity_tests/test_trainer.py", "-k", "over_cp_equals_it_without and trainer_gemma3"),
+    ),
+    Mutation(  # the CP ranks of a replica would get different rows (the inputs check raises)
+        "trainer_rows_sharded_over_every_process",
+        "torch_impl/hf/trainer.py",
+        "sharded.num_processes, sharded.process_index = self.dp_size, self.dp_index",
+        "sharded.num_processes = sharded.num_processes",
+        ("parity_tests/test_trainer.py", "-k", "same_rows"),
+    ),
 ]
 
 

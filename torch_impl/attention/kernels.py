@@ -33,6 +33,9 @@ def causal_attention(
     one learned logit per query head that joins every query's softmax denominator and adds no value
     (GPT-OSS), differentiable. Returns [B, H, L, D] in query's dtype.
     """
+    if torch.is_autocast_enabled(query.device.type):  # as sdpa under autocast: all three in its dtype
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
     check_arguments(query, key, value, q_start, k_start, window, documents, padding, softcap, sinks)
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
     kernel = choose_kernel(query, window, documents, padding, softcap, sinks)

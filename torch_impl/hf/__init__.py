@@ -40,7 +40,7 @@ past the first step, custom mask overlays, a 4-D mask).
 
 Modules: `parallelize` (the checks and the plan), one per layer kind (`attention`: full and
 sliding; `short_conv`; `indexed`: DeepSeek Sparse Attention), `inputs` (`shard_batch` and the base
-model's pre-hook).
+model's pre-hook), `trainer` (`ContextParallelMixin`: transformers' Trainer and TRL's SFTTrainer).
 """
 
 from torch_impl.hf._common import DOCUMENTS, IMPLEMENTATION
@@ -48,11 +48,13 @@ from torch_impl.hf.attention import AttentionPlan
 from torch_impl.hf.data_parallel import apply_ddp, apply_fsdp, gradient_divide_factor
 from torch_impl.hf.inputs import shard_batch
 from torch_impl.hf.parallelize import checkpoint_kwargs, parallelize
+from torch_impl.hf.trainer import ContextParallelMixin
 
 __all__ = [
     "DOCUMENTS",
     "IMPLEMENTATION",
     "AttentionPlan",
+    "ContextParallelMixin",
     "apply_ddp",
     "apply_fsdp",
     "checkpoint_kwargs",

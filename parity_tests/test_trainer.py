@@ -1,0 +1,108 @@
+"""hf.ContextParallelMixin: transformers' Trainer and TRL's SFTTrainer over dp x cp processes equal
+the same trainer over dp processes without CP (parity_tests/trainer_jobs.py: float64 models,
+dropout 0, SGD at learning rate 0.5, gradient accumulation 2, 3 steps, then evaluate()).
+
+Four torchrun launches, two at a time: cp 2 (2 processes) against one process, and dp 2 x cp 2
+(4 processes) against dp 2; each runs every case (Trainer on padded rows of 13 to 31 tokens:
+Gemma 3, Mistral under head_tail, LFM2; SFTTrainer with packing: Gemma 3 and GPT-OSS (head_tail)
+on prompt-completion pairs, the loss on completions only, Mistral on text), resume from a
+checkpoint and the refusals. The models are float64, but transformers rounds their norms, and
+the logged loss, through float32: the logged loss and grad_norm within a few float32 roundings
+(4 u32 relative), the parameters' change from their start within 1e-5 of its largest entry (after
+3 steps the float32 norms' roundings grow to about 1e-6 of it here; a constant gradient scale
+moves it by tens of percent, a token misrouted in one row by ~1e-2).
+"""
+
+import pytest
+import torch
+
+from parity_tests import bounds, jobs, trainer_jobs
+
+U32 = bounds.u(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{launch: results}, the four launches run two at a time."""
+    out = tmp_path_factory.mktemp("trainer")
+    launches = {  # name: (processes, cp size, extra arguments)
+        "cp2": (2, 2, ["--resume", "--refusals", "--recipes"]),
+        "one": (1, 1, ["--recipes"]),
+        "dp2cp2": (4, 2, ["--refusals"]),
+        "dp2": (2, 1, []),
+    }
+    results = {}
+    for pair in (("cp2", "one"), ("dp2cp2", "dp2")):
+        started = {}
+        for name in pair:
+            nproc, cp, extra = launches[name]
+            args = ["--cp-size", str(cp), "--out", str(out / f"{name}.pt"), *extra]
+            started[name] = jobs.torchrun("parity_tests.trainer_jobs", args, nproc)
+        for name, proc in started.items():
+            code, log = jobs.finish(proc, timeout=300)
+            assert code == 0, log[-4000:]
+            results[name] = torch.load(out / f"{name}.pt", weights_only=False)
+    return results
+
+
+@pytest.mark.parametrize("launch,reference", [("cp2", "one"), ("dp2cp2", "dp2")])
+@pytest.mark.parametrize("case", trainer_jobs.CASES)
+def test_the_trainer_over_cp_equals_it_without(runs, launch, reference, case):
+    got, want = runs[launch][case], runs[reference][case]
+    steps = [h["step"] for h in want["log"]]
+    assert [h["step"] for h in got["log"]] == steps == [1, 2, 3]
+    for g, w in zip(got["log"], want["log"], strict=True):
+        for key in ("loss", "grad_norm"):
+            bounds.check(abs(g[key] - w[key]), 4 * U32 * abs(w[key]), f"step {w['step']} {key}")
+    bounds.check(abs(got["eval_loss"] - want["eval_loss"]), 4 * U32 * want["eval_loss"], "eval_loss")
+    start = trainer_jobs.initial_params(case)
+    for key, w in want["params"].items():
+        change = w - start[key]
+        apart = (got["params"][key] - w).abs().max()
+        bounds.check(apart, 1e-5 * change.abs().max().item() + 1e-14, f"{key} after 3 steps")
+
+
+@pytest.mark.parametrize("launch,dp", [("cp2", 1), ("dp2cp2", 2)])
+def test_a_replicas_cp_ranks_get_the_same_rows_and_replicas_disjoint_ones(runs, launch, dp):
+    for case, result in runs[launch].items():
+        if case not in trainer_jobs.CASES:
+            continue
+        rows = result["rows"]  # per rank: per micro-batch, its rows' token ids
+        cp = len(rows) // dp
+        for d in range(dp):
+            assert all(rows[d * cp + c] == rows[d * cp] for c in range(cp)), case
+        for step in range(len(rows[0])):
+            seen = [set(rows[d * cp][step]) for d in range(dp)]
+            assert sum(len(s) for s in seen) == len(set().union(*seen)), (case, step)
+
+
+def test_resuming_from_a_checkpoint_equals_the_uninterrupted_run(runs):
+    resumed = runs["cp2"]["resume"]
+    assert resumed["reloaded"] == ("Gemma3ForCausalLM", "sdpa")  # the saved model is the plain one
+    assert [h["step"] for h in resumed["log"]] == [1, 2, 3]  # 1, 2 from the checkpoint's state
+    assert resumed["log"][-1] == resumed["uninterrupted_log"][-1]
+    for key, p in resumed["uninterrupted"].items():
+        assert torch.equal(resumed["resumed"][key], p), key
+
+
+@pytest.mark.parametrize("launch", ["cp2", "dp2cp2"])
+def test_what_cannot_be_exact_is_refused_on_every_rank(runs, launch):
+    said = runs[launch]["refusals"]
+    world = len(said)
+    assert world == (2 if launch == "cp2" else 4)
+    for rank in said:
+        assert f"`cp_size` ({world + 1}) must divide the number of processes ({world})" in rank["cp_size"]
+        assert "`label_smoothing_factor > 0` is not supported" in rank["label_smoothing"]
+        assert "`compute_metrics` is not supported" in rank["compute_metrics"]
+
+
+@pytest.mark.parametrize("recipe", ["examples.recipes.trainer", "examples.recipes.sft"])
+def test_the_recipes_over_cp_equal_them_without(runs, recipe):
+    """The recipes' float32 models: every step in float32, the attention's sums of up to 48 keys
+    rounding in another order (2 (2T + D) u32, T = 48, D = 16: 224 u32) on both sides."""
+    got, want = runs["cp2"][recipe], runs["one"][recipe]
+    assert [h["step"] for h in got["log"]] == [h["step"] for h in want["log"]] == [1, 2, 3]
+    for g, w in zip(got["log"], want["log"], strict=True):
+        for key in ("loss", "grad_norm"):
+            bounds.check(abs(g[key] - w[key]), 2 * 224 * U32 * abs(w[key]), f"step {w['step']} {key}")
+    bounds.check(abs(got["eval_loss"] - want["eval_loss"]), 2 * 224 * U32 * want["eval_loss"], "eval_loss")

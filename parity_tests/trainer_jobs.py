@@ -1,0 +1,173 @@
+"""What the Trainer tests run under torchrun: several cases in one launch, each a transformers
+Trainer or TRL SFTTrainer on a float64 model (hf_models, dropout 0), with `hf.ContextParallelMixin`
+(`--cp-size` > 1) or without it (`--cp-size 1`: the same trainer over the dp processes, the
+reference). Rank 0 writes {case: result} to `--out` (torch.save): the logged steps, eval_loss, the
+final parameters, and per rank the rows (each sequence's token ids) every training step received.
+
+    torchrun --standalone --nproc-per-node 4 -m parity_tests.trainer_jobs --cp-size 2 --out FILE
+"""
+
+import argparse
+import gc
+import os
+
+from datasets import Dataset
+import torch
+import torch.distributed as dist
+import transformers as tf
+from trl import SFTTrainer
+
+from examples.recipes import sft, trainer, trainer_data
+from parity_tests import hf_models
+from torch_impl import hf
+
+# name: (trainer, model, layout, extra arguments)
+CASES = {
+    "trainer_gemma3": ("trainer", "gemma3", "contiguous", {}),
+    "trainer_mistral_head_tail": ("trainer", "mistral", "head_tail", {}),
+    "trainer_lfm2": ("trainer", "lfm2", "contiguous", {}),  # packed rows: one process refuses LFM2
+    "sft_gemma3_packed_completion": ("sft", "gemma3", "contiguous", {}),
+    "sft_mistral_packed": ("sft", "mistral", "contiguous", {"text": True}),
+    "sft_gpt_oss_packed_head_tail": ("sft", "gpt_oss", "head_tail", {}),
+}
+
+
+class Rows:
+    """A trainer mixin recording the rows of every training batch (before CP shards them)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if model.training:
+            ids = inputs["input_ids"]
+            self.rows.append([tuple(row.tolist()) for row in ids])
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def classes(kind):
+    """(the plain trainer class, its CP version), both recording their rows."""
+    base = tf.Trainer if kind == "trainer" else SFTTrainer
+    return type("Plain", (Rows, base), {}), type("CP", (Rows, hf.ContextParallelMixin, base), {})
+
+
+def build(kind, name, layout, extra, cp_size, output_dir, **overrides):
+    """The case's trainer (not trained yet)."""
+    plain, cp = classes(kind)
+    model = hf_models.build(name)  # float64, the same weights on every rank
+    model.config.pad_token_id = 0
+    kwargs = {} if cp_size == 1 else {"cp_size": cp_size, "cp_layout": layout}
+    if kind == "trainer":
+        args = trainer.training_args(output_dir, **overrides)
+        data = dict(
+            train_dataset=trainer_data.token_rows(48, 13, 31, seed=0),
+            eval_dataset=trainer_data.token_rows(8, 13, 31, seed=1),
+            data_collator=trainer_data.pad_rows,
+        )
+    else:
+        args = sft.sft_config(output_dir, **overrides)
+        if extra.get("text"):  # language modelling on whole rows, packed
+            data = dict(
+                train_dataset=Dataset.from_dict({"text": trainer_data.sentences(96, 3, 20, seed=0)}),
+                eval_dataset=Dataset.from_dict({"text": trainer_data.sentences(16, 3, 20, seed=1)}),
+            )
+        else:  # prompt-completion pairs, packed, the loss on completions only
+            data = dict(train_dataset=sft.pairs(96, seed=0), eval_dataset=sft.pairs(16, seed=1))
+        data["processing_class"] = trainer_data.tokenizer()
+    built = (plain if cp_size == 1 else cp)(model=model, args=args, **data, **kwargs)
+    built.rows = []
+    return built
+
+
+def initial_params(case):
+    """The case's model's parameters before training (hf_models' seeded weights)."""
+    return {k: p.detach() for k, p in hf_models.build(CASES[case][1]).named_parameters()}
+
+
+def run(name, cp_size, output_dir):
+    kind, model, layout, extra = CASES[name]
+    t = build(kind, model, layout, extra, cp_size, output_dir)
+    t.train()
+    result = {"log": [h for h in t.state.log_history if "loss" in h], "eval_loss": t.evaluate()["eval_loss"]}
+    result["params"] = {k: p.detach().clone() for k, p in t.model.named_parameters()}
+    result["rows"] = gathered(t.rows)
+    return result
+
+
+def gathered(obj):
+    """[every rank's obj] (one process: [obj])."""
+    if not dist.is_initialized():
+        return [obj]
+    objs = [None] * dist.get_world_size()
+    dist.all_gather_object(objs, obj)
+    return objs
+
+
+def resume(cp_size, output_dir):
+    """Trainer on Gemma 3: 3 steps, a checkpoint at step 2; then resumed from it to step 3. The
+    checkpoint reloads as the plain model."""
+    kind, model, layout, extra = CASES["trainer_gemma3"]
+    first = build(kind, model, layout, extra, cp_size, output_dir, save_strategy="steps", save_steps=2)
+    first.train()
+    again = build(kind, model, layout, extra, cp_size, output_dir)
+    again.train(resume_from_checkpoint=f"{output_dir}/checkpoint-2")
+    reloaded = tf.AutoModelForCausalLM.from_pretrained(f"{output_dir}/checkpoint-2", dtype=torch.float64)
+    return {
+        "uninterrupted": {k: p.detach().clone() for k, p in first.model.named_parameters()},
+        "resumed": {k: p.detach().clone() for k, p in again.model.named_parameters()},
+        "reloaded": (type(reloaded).__name__, reloaded.config._attn_implementation),
+        "log": [h for h in again.state.log_history if "loss" in h],
+        "uninterrupted_log": [h for h in first.state.log_history if "loss" in h],
+    }
+
+
+def refusals(output_dir):
+    """What each rank's ContextParallelMixin raised for arguments it cannot make exact."""
+    world = dist.get_world_size()
+    said = {}
+    for what, cp_size, overrides in (
+        ("cp_size", world + 1, {}),
+        ("label_smoothing", world, {"label_smoothing_factor": 0.1}),
+    ):
+        try:
+            build("trainer", "llama", "contiguous", {}, cp_size, output_dir, **overrides)
+            said[what] = None
+        except ValueError as e:
+            said[what] = str(e)
+    try:
+        classes("trainer")[1](model=hf_models.build("llama"), args=trainer.training_args(output_dir),
+                              compute_metrics=lambda p: {}, cp_size=world)  # fmt: skip
+        said["compute_metrics"] = None
+    except ValueError as e:
+        said["compute_metrics"] = str(e)
+    return said
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--cp-size", type=int, required=True)
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--refusals", action="store_true")
+    p.add_argument("--recipes", action="store_true", help="also examples/recipes/trainer.py and sft.py")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    results = {}
+    workdir = os.path.join(os.path.dirname(args.out), "runs")
+    for name in args.cases.split(",") if args.cases else ():
+        results[name] = run(name, args.cp_size, os.path.join(workdir, name))
+    if args.recipes:  # as the README runs them (float32 models), with or without CP
+        for recipe in (trainer, sft):
+            out = os.path.join(workdir, recipe.__name__.rsplit(".", 1)[1])
+            results[recipe.__name__] = recipe.main(["--cp-size", str(args.cp_size), "--output-dir", out])
+    if args.resume:
+        results["resume"] = resume(args.cp_size, os.path.join(workdir, "resume"))
+    if args.refusals:
+        results["refusals"] = gathered(refusals(os.path.join(workdir, "refused")))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        torch.save(results, args.out)
+    if dist.is_initialized():
+        gc.collect()  # free gloo work held in reference cycles first: avoids an abort at exit
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

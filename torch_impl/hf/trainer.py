@@ -1,0 +1,204 @@
+"""`ContextParallelMixin`: transformers' `Trainer` and TRL's `SFTTrainer` made context-parallel.
+
+    class CPTrainer(hf.ContextParallelMixin, transformers.Trainer): ...
+    trainer = CPTrainer(model=model, args=args, train_dataset=..., cp_size=2)
+
+The world (torchrun's processes) is dp x cp: ranks dp_index * cp .. dp_index * cp + cp - 1 are one
+data-parallel replica's CP ranks. Through the trainers' public methods only:
+
+1. `__init__` refuses what cannot be exact (on every rank, before any step), builds the (dp, cp)
+   DeviceMesh and makes the model CP over mesh["cp"] (`hf.parallelize`; a PEFT model's base model).
+2. `get_train_dataloader` / `get_eval_dataloader`: the trainer's own loader, sharded by accelerate
+   over dp replicas instead of over every process: a replica's CP ranks get the same rows.
+3. `get_cp_size`: every CP rank counts its replica's whole batch; the trainer sums its count over
+   all processes and divides by this, so `num_items_in_batch` is the dp-only run's.
+4. `compute_loss`: the global batch padded to what the layout needs (labels -100, masked, after
+   every real token: no real token sees it) and sharded (`hf.shard_batch`) before the trainer's own
+   loss. Each rank's loss is then its share of the token mean; the trainer multiplies it by the
+   number of processes and its DDP averages over all of them, so the gradients, `loss` and
+   `grad_norm` are the dp-only run's. Where the trainer gives no count (TRL's evaluation: each
+   process's loss its own mean), the replica's token mean is formed over its CP ranks.
+"""
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+import torch.nn.functional as F
+
+from torch_impl.hf.inputs import BATCH_KEYS, IGNORE_INDEX, shard_batch
+from torch_impl.hf.parallelize import parallelize
+from torch_impl.layout import check as check_layout
+
+# keys TRL's padding-free collator adds for flash-attention kernels: position_ids carry the same
+DROPPED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+class ContextParallelMixin:
+    """Context parallelism for a `transformers.Trainer` subclass (TRL's `SFTTrainer` included).
+
+    Put it first: `class CPTrainer(ContextParallelMixin, transformers.Trainer)`. Takes the base
+    class's arguments plus `cp_size` (CP ranks per data-parallel replica; it must divide the world
+    size) and `cp_layout` ("contiguous" or "head_tail", as `hf.parallelize`). A run over dp x cp
+    processes then equals the same trainer over dp processes without CP: logged `loss` and
+    `grad_norm`, `evaluate()`'s `eval_loss`, the parameters after every step (gradient
+    accumulation, padded rows of any length, packed rows). Refused with ValueError (every rank,
+    before the first step): accelerate's own CP/SP/TP, FSDP and DeepSpeed, label smoothing, a
+    `compute_loss_func`, `compute_metrics` and `preprocess_logits_for_metrics` (they would see
+    each rank's slice of the logits), a model whose forward takes no `num_items_in_batch`, and
+    `predict()`.
+    """
+
+    def __init__(self, *args, cp_size, cp_layout="contiguous", **kwargs):
+        if not isinstance(cp_size, int) or cp_size < 1:
+            raise ValueError(f"`cp_size` must be a positive int (CP ranks per replica), got {cp_size!r}")
+        check_layout(cp_layout)
+        super().__init__(*args, **kwargs)
+        world = self.accelerator.num_processes
+        if world % cp_size:
+            raise ValueError(
+                f"`cp_size` ({cp_size}) must divide the number of processes ({world}): the world is dp x cp"
+            )
+        self._refuse_inexact()
+        self.cp_size, self.cp_layout = cp_size, cp_layout
+        self.dp_size, self.dp_index = world // cp_size, self.accelerator.process_index // cp_size
+        self.cp_group = None
+        if cp_size > 1:
+            device = "cuda" if self.args.device.type == "cuda" else "cpu"
+            mesh = init_device_mesh(device, (self.dp_size, cp_size), mesh_dim_names=("dp", "cp"))
+            self.cp_group = mesh["cp"].get_group()
+        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT
+        parallelize(model, self.cp_group, layout=cp_layout)
+
+    def _refuse_inexact(self):
+        """ValueError for what would not equal the dp-only run (the same on every rank)."""
+        config = getattr(self.accelerator, "parallelism_config", None)
+        for what in ("cp", "sp", "tp"):
+            if config is not None and getattr(config, f"{what}_enabled", False):
+                raise ValueError(
+                    f"ContextParallelMixin: accelerate's parallelism_config has {what} enabled; its CP "
+                    "replaces the models' masks by is_causal (sliding windows and documents lost): "
+                    "use one or the other"
+                )
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            raise ValueError(
+                "ContextParallelMixin: FSDP and DeepSpeed through the trainer are not supported; it runs "
+                "the trainer's DDP over all dp x cp processes"
+            )
+        refused = {
+            "label_smoothing_factor > 0": self.args.label_smoothing_factor > 0,
+            "compute_loss_func": self.compute_loss_func is not None,
+            "compute_metrics": self.compute_metrics is not None,
+            "preprocess_logits_for_metrics": self.preprocess_logits_for_metrics is not None,
+        }
+        for name, present in refused.items():
+            if present:
+                raise ValueError(
+                    f"ContextParallelMixin: `{name}` is not supported: it would see each CP rank's slice "
+                    "of the sequence (its labels or logits), not the whole"
+                )
+        if not self.model_accepts_loss_kwargs:
+            raise ValueError(
+                "ContextParallelMixin: the model's forward takes no `num_items_in_batch`, so each CP "
+                "rank's loss would be its own slice's mean, not its share of the sequence's"
+            )
+
+    # --- rows: every CP rank of a replica the same ----------------------------------------------
+
+    def get_train_dataloader(self):
+        return self._by_replica(super().get_train_dataloader())
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        return self._by_replica(super().get_eval_dataloader(eval_dataset))
+
+    def _by_replica(self, loader):
+        """accelerate shards `loader` over every process; make it shard over the dp replicas."""
+        if self.cp_size == 1:
+            return loader
+        sharded = loader.batch_sampler if hasattr(loader.batch_sampler, "process_index") else loader.dataset
+        if not hasattr(sharded, "process_index"):
+            raise ValueError(
+                "ContextParallelMixin: the dataloader is not sharded by accelerate's BatchSamplerShard "
+                f"or IterableDatasetShard (got {type(loader.batch_sampler).__name__}); the CP ranks of a "
+                "replica could not be given the same rows"
+            )
+        sharded.num_processes, sharded.process_index = self.dp_size, self.dp_index
+        if self.dp_size == 1:  # as one process, where accelerate does not shard: no batch completed
+            sharded.even_batches = False
+        return loader
+
+    def get_cp_size(self):
+        return self.cp_size
+
+    # --- the loss -----------------------------------------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        local = self.shard(inputs)
+        if self.cp_size == 1:
+            return super().compute_loss(model, local, return_outputs, num_items_in_batch)
+        if model.training:
+            if num_items_in_batch is None:  # each rank's loss would be its own slice's mean
+                raise ValueError(
+                    "ContextParallelMixin: a training loss without `num_items_in_batch` cannot be made the "
+                    "replica's token mean"
+                )
+            return super().compute_loss(model, local, return_outputs, num_items_in_batch)
+        # evaluation: every CP rank gives the loss a dp-only run's rank gives for its replica's batch
+        result = super().compute_loss(model, local, return_outputs, num_items_in_batch)
+        loss, outputs = result if return_outputs else (result, None)
+        if num_items_in_batch is None:  # TRL's evaluation: this slice's own mean -> the replica's
+            count = (local["shift_labels"] != IGNORE_INDEX).sum()
+            both = torch.stack([torch.where(count > 0, loss.detach() * count, 0.0), count.to(loss.dtype)])
+            dist.all_reduce(both, group=self.cp_group)  # [the replica's loss sum, its valid labels]
+            loss = both[0] / both[1].clamp(min=1)
+        else:  # the trainer's: processes x this slice's share -> dp x the replica's share
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=self.cp_group)
+            loss = loss / self.cp_size
+        return (loss, outputs) if return_outputs else loss
+
+    def evaluation_loop(self, *args, **kwargs):
+        self.gather_function = self._gather_replicas  # the trainer resets it when the loop ends
+        return super().evaluation_loop(*args, **kwargs)
+
+    def _gather_replicas(self, data):
+        """The trainer's gather of per-batch values, over the dp replicas (a replica's CP ranks
+        hold the same): one CP rank's values per replica, the last batch cut to the dataset's
+        remainder as accelerate's gather_for_metrics does over dp processes."""
+        gathered = self.accelerator.gather(data)  # [processes * n, ...], by rank
+        replicas = gathered.unflatten(0, (self.accelerator.num_processes, -1))[:: self.cp_size].flatten(0, 1)
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            replicas = replicas[: state.remainder]
+        return replicas
+
+    def shard(self, inputs):
+        """This rank's model inputs from the trainer's global batch: TRL's flash-attention keys
+        dropped (position_ids carry the documents), the sequence padded at its end to a multiple
+        of cp (2 cp for head_tail), then `hf.shard_batch` without its count (the trainer's own,
+        over all replicas, is passed)."""
+        inputs = {key: value for key, value in inputs.items() if key not in DROPPED_KEYS}
+        batch = {key: inputs.pop(key) for key in BATCH_KEYS if key in inputs}
+        S = batch["input_ids"].shape[1]
+        multiple = self.cp_size * (2 if self.cp_layout == "head_tail" else 1)
+        pad = -S % multiple
+        if pad:
+            fill = {
+                "labels": IGNORE_INDEX,
+                "input_ids": self._pad_id(),
+                "attention_mask": 0,
+                "position_ids": 0,
+            }
+            batch = {key: F.pad(value, (0, pad), value=fill[key]) for key, value in batch.items()}
+        local = shard_batch(batch, self.cp_group, layout=self.cp_layout)
+        local.pop("num_items_in_batch", None)
+        return {**inputs, **local}
+
+    def _pad_id(self):
+        pad = getattr(self.processing_class, "pad_token_id", None)
+        return 0 if pad is None else pad
+
+    def predict(self, *args, **kwargs):
+        raise ValueError(
+            "ContextParallelMixin: predict() returns logits, which each CP rank holds only a slice of; "
+            "use evaluate() for the loss"
+        )
