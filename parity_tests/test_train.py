@@ -91,20 +91,33 @@ def test_compiled_layers_with_activation_checkpointing_train():
 
 
 def test_a_difference_over_the_tolerance_fails_the_job():
-    code, out = run(["--cp", "2", "--steps", "1", *SMALL, "--reference", "--tolerance", "0"], nproc=2)
-    assert code != 0 and "DIFFERENT: largest difference" in out, out[-3000:]
+    """One process without torchrun, against a tolerance below zero: DIFFERENT, exit 1."""
+    command = [
+        sys.executable,
+        "-m",
+        "examples.train",
+        "--steps",
+        "1",
+        *SMALL,
+        "--reference",
+        "--tolerance",
+        "-1",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert done.returncode != 0 and "DIFFERENT: largest difference" in done.stdout, done.stdout[-3000:]
 
 
 def test_resume_continues_exactly(tmp_path):
-    """A 2-step run saving after every step; its step-2 checkpoint removed, a run resumed from step
-    1 to step 2: the uninterrupted run's losses, to the bit."""
+    """A 2-step run (cp 2, its FSDP2 over the CP ranks) saving after every step; its step-2
+    checkpoint removed, a run resumed from step 1 to step 2: the uninterrupted run's losses, to the
+    bit. (DP x CP checkpoints: the same code, over the flattened mesh.)"""
     ckpt = tmp_path / "ckpt"
-    common = ["--dp", "2", "--cp", "2", *SMALL, "--steps", "2", "--save-dir", str(ckpt)]
-    code, out = run([*common, "--save-every", "1", "--metrics", str(tmp_path / "full.json")])
+    common = ["--cp", "2", *SMALL, "--steps", "2", "--save-dir", str(ckpt)]
+    code, out = run([*common, "--save-every", "1", "--metrics", str(tmp_path / "full.json")], nproc=2)
     assert code == 0, out[-3000:]
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-000001", "step-000002"]
     shutil.rmtree(ckpt / "step-000002")
-    code, out = run([*common, "--resume", "--metrics", str(tmp_path / "resumed.json")])
+    code, out = run([*common, "--resume", "--metrics", str(tmp_path / "resumed.json")], nproc=2)
     assert code == 0, out[-3000:]
     assert "Resumed from" in out and "after step 1" in out
     full = json.loads((tmp_path / "full.json").read_text())["losses"]
@@ -113,13 +126,14 @@ def test_resume_continues_exactly(tmp_path):
 
 
 def test_two_nodes_on_one_machine(tmp_path):
-    """Two torchrun launchers with --nnodes 2 and a c10d rendezvous on 127.0.0.1: dp 2 x cp 2."""
+    """Two torchrun launchers with --nnodes 2 and a c10d rendezvous on 127.0.0.1, one process
+    each: the CP group spans the two nodes."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     launcher = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}")
-    args = ["--dp", "2", "--cp", "2", "--steps", "2", *SMALL, "--reference"]
-    nodes = [torchrun(args, nproc=2, launcher=launcher) for _ in range(2)]
+    args = ["--cp", "2", "--steps", "2", *SMALL, "--reference"]
+    nodes = [torchrun(args, nproc=1, launcher=launcher) for _ in range(2)]
     results = [jobs.finish(node) for node in nodes]
     assert all(code == 0 for code, _ in results), [out[-2000:] for _, out in results]
     assert sum("EQUAL: largest difference" in out for _, out in results) == 1  # global rank 0's node
