@@ -157,7 +157,8 @@ class ContextParallelMixin:
         return (loss, outputs) if return_outputs else loss
 
     def evaluation_loop(self, *args, **kwargs):
-        self.gather_function = self._gather_replicas  # the trainer resets it when the loop ends
+        if self.cp_size > 1:
+            self.gather_function = self._gather_replicas  # the trainer resets it when the loop ends
         return super().evaluation_loop(*args, **kwargs)
 
     def _gather_replicas(self, data):
