@@ -95,6 +95,7 @@ def test_what_cannot_be_exact_is_refused_on_every_rank(runs, launch):
         assert f"`cp_size` ({world + 1}) must divide the number of processes ({world})" in rank["cp_size"]
         assert "`label_smoothing_factor > 0` is not supported" in rank["label_smoothing"]
         assert "`compute_metrics` is not supported" in rank["compute_metrics"]
+        assert "router's auxiliary loss would be each CP rank's own" in rank["router_aux_loss"]
 
 
 @pytest.mark.parametrize("recipe", ["examples.recipes.trainer", "examples.recipes.sft"])

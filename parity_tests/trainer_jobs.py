@@ -62,6 +62,8 @@ def build(kind, name, layout, extra, cp_size, output_dir, **overrides):
             data_collator=trainer_data.pad_rows,
         )
     else:
+        if name == "gpt_oss":  # TRL's default adds the router's loss, per rank not exact: refused
+            overrides = {"router_aux_loss_coef": 0.0} | overrides
         args = sft.sft_config(output_dir, **overrides)
         if extra.get("text"):  # language modelling on whole rows, packed
             data = dict(
@@ -137,6 +139,11 @@ def refusals(output_dir):
         said["compute_metrics"] = None
     except ValueError as e:
         said["compute_metrics"] = str(e)
+    try:  # GPT-OSS under SFTTrainer's default: the router's auxiliary loss
+        build("sft", "gpt_oss", "contiguous", {}, world, output_dir, router_aux_loss_coef=0.001)
+        said["router_aux_loss"] = None
+    except ValueError as e:
+        said["router_aux_loss"] = str(e)
     return said
 
 

@@ -44,8 +44,9 @@ class ContextParallelMixin:
     accumulation, padded rows of any length, packed rows). Refused with ValueError (every rank,
     before the first step): accelerate's own CP/SP/TP, FSDP and DeepSpeed, label smoothing, a
     `compute_loss_func`, `compute_metrics` and `preprocess_logits_for_metrics` (they would see
-    each rank's slice of the logits), a model whose forward takes no `num_items_in_batch`, and
-    `predict()`.
+    each rank's slice of the logits), a MoE router's auxiliary loss (TRL switches it on for MoE
+    models: `router_aux_loss_coef=0.0` turns it off), a model whose forward takes no
+    `num_items_in_batch`, and `predict()`.
     """
 
     def __init__(self, *args, cp_size, cp_layout="contiguous", **kwargs):
@@ -96,6 +97,16 @@ class ContextParallelMixin:
                     f"ContextParallelMixin: `{name}` is not supported: it would see each CP rank's slice "
                     "of the sequence (its labels or logits), not the whole"
                 )
+        text = self.model.config.get_text_config()
+        aux = getattr(self, "aux_loss_enabled", None)  # TRL's switch; transformers': the model config's
+        if aux is None:
+            aux = getattr(text, "output_router_logits", False) and getattr(text, "router_aux_loss_coef", 0.0)
+        if aux:
+            raise ValueError(
+                "ContextParallelMixin: the MoE router's auxiliary loss would be each CP rank's own, a "
+                "load-balancing statistic of its slice's tokens, not of the sequence's: set "
+                "router_aux_loss_coef=0.0 (SFTConfig, or the model config with output_router_logits)"
+            )
         if not self.model_accepts_loss_kwargs:
             raise ValueError(
                 "ContextParallelMixin: the model's forward takes no `num_items_in_batch`, so each CP "
