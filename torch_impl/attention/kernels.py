@@ -31,7 +31,8 @@ def causal_attention(
     documents: int [B, T] (packed sequences) and padding: bool [B, T] (True: a token), per key row;
     softcap: scores become softcap * tanh(score / softcap) before the mask (Gemma 2); sinks: [H],
     one learned logit per query head that joins every query's softmax denominator and adds no value
-    (GPT-OSS), differentiable. Returns [B, H, L, D] in query's dtype.
+    (GPT-OSS), differentiable. Returns [B, H, L, D] in query's dtype (under autocast, as sdpa:
+    q, k and v in the autocast dtype, and so the output).
     """
     if torch.is_autocast_enabled(query.device.type):  # as sdpa under autocast: all three in its dtype
         dtype = torch.get_autocast_dtype(query.device.type)
