@@ -17,7 +17,7 @@ from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
 from examples.recipes import trainer_data
-from examples.recipes.trainer import finish, gemma3, report
+from examples.recipes.trainer import TRAINING, finish, gemma3, report
 from torch_impl import hf
 
 
@@ -33,26 +33,14 @@ def pairs(n, seed):
 
 
 def sft_config(output_dir, **overrides):
+    """The Trainer recipe's TRAINING, packed into rows of up to 48 tokens."""
     args = dict(
-        optim="sgd",
-        learning_rate=0.5,
-        lr_scheduler_type="constant",
-        per_device_train_batch_size=2,
-        per_device_eval_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_steps=3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        disable_tqdm=True,
         packing=True,
         max_length=48,
         dataset_num_proc=None,
         bf16=False,  # SFTConfig's default autocasts to bfloat16 where it can, the CPU included
     )
-    return SFTConfig(output_dir, **args | overrides)
+    return SFTConfig(output_dir, **TRAINING | args | overrides)
 
 
 def main(argv=None):

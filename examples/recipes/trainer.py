@@ -41,25 +41,27 @@ def gemma3(dtype=torch.float32):
     return tf.Gemma3ForCausalLM(config).to(dtype)
 
 
+# both recipes' training: SGD (a constant gradient scale would show in its update; AdamW would hide one)
+TRAINING = dict(
+    optim="sgd",
+    learning_rate=0.5,
+    lr_scheduler_type="constant",
+    per_device_train_batch_size=2,
+    per_device_eval_batch_size=2,
+    gradient_accumulation_steps=2,
+    max_steps=3,
+    logging_steps=1,
+    save_strategy="no",
+    report_to=[],
+    use_cpu=True,
+    seed=0,
+    disable_tqdm=True,
+)
+
+
 def training_args(output_dir, **overrides):
-    """SGD (a constant gradient scale would show in its update; AdamW would hide one), no dropout."""
-    args = dict(
-        optim="sgd",
-        learning_rate=0.5,
-        lr_scheduler_type="constant",
-        per_device_train_batch_size=2,
-        per_device_eval_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_steps=3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        remove_unused_columns=False,
-        disable_tqdm=True,
-    )
-    return tf.TrainingArguments(output_dir, **args | overrides)
+    """TRAINING, the Trainer recipe's rows kept whole (its collator reads them)."""
+    return tf.TrainingArguments(output_dir, **TRAINING | {"remove_unused_columns": False} | overrides)
 
 
 def report(trainer, result):
