@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-block demo-routing test parity mutants lint bench bench-quick bench-train bench-capacity bench-packed gpu-check clean
+.PHONY: demo demo-block demo-routing test parity models mutants lint bench bench-quick bench-train bench-capacity bench-packed gpu-check clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ test: $(STAMP)
 
 parity: $(STAMP)
 	$(PY) -m pytest -q parity_tests/test_parity.py parity_tests/test_parity_layouts.py
+
+# every causal-LM family of the pinned transformers against one process; writes docs/models.md
+models: $(STAMP)
+	$(PY) -m parity_tests.model_sweep
 
 mutants: $(STAMP)
 	$(PY) -m parity_tests.mutations

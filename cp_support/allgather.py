@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from torch_impl import gather_metadata, gather_sequence, hf
+from torch_impl import gather_metadata, gather_sequence
 from torch_impl.hf.attention import Keys, attend_windows, check_call, local_mask
 from torch_impl.hf.indexed import AbsorbedMLA, IndexedContext
 from torch_impl.layout import ShardPlan
@@ -62,11 +62,11 @@ def attention(module, query, key, value, attention_mask, **kwargs):
         raise ValueError(
             f"`{IMPLEMENTATION}` is the contiguous layout's baseline; the model has layout {layout!r}"
         )
+    check_call(module, attention_mask)
     if isinstance(attention_mask, IndexedContext):
         return indexed_attention(module, query, key, value, attention_mask, **kwargs)
-    check_call(module, attention_mask)
-    padding, window = attention_mask
-    documents = kwargs.pop(hf.DOCUMENTS, None)
+    padding, window, chunked, context = attention_mask
+    documents = context.chunks if chunked else context.documents
     documents = None if documents is None else documents.ids  # every key is gathered either way
     group = module.context_parallel.group
     shard = ShardPlan.of("contiguous", dist.get_world_size(group), dist.get_rank(group), query.shape[2])

@@ -147,7 +147,7 @@ REFUSED = {  # model -> what the error names
     "mamba": "(MambaForCausalLM) carries recurrent state",
     "t5": "encoder.block.0.layer.0.SelfAttention (T5Attention) is bidirectional or cross attention",
     "gemma3_bidirectional": "model.layers.0.self_attn (Gemma3Attention) is bidirectional",
-    "deepseek_v4": "is a 'compressed_sparse_attention' layer; supported:",
+    "deepseek_v4": "has ['compressed_sparse_attention'] layers, a kind the adapter does not know",
 }
 
 

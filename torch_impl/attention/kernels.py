@@ -4,6 +4,7 @@ import functools
 import math
 
 import torch
+import torch.nn.functional as F
 
 from torch_impl.attention.rule import check_arguments, mask_mod, repeat_kv
 from torch_impl.attention.tiles import tiled_attention
@@ -25,8 +26,9 @@ def causal_attention(
 ):
     """Causal attention of this rank's queries over its keys, by global position; differentiable.
 
-    query: [B, H, L, D] at global rows q_start ..; key, value: [B, Hkv, T, D] at global rows
-    k_start .. q_start + L - 1 (H a multiple of Hkv: grouped-query attention); window: a query sees
+    query: [B, H, L, D] at global rows q_start ..; key, value: [B, Hkv, T, D] and [B, Hkv, T, Dv] at
+    global rows k_start .. q_start + L - 1 (H a multiple of Hkv: grouped-query attention; Dv may
+    differ from D, as in MLA: the fused kernels then see all three zero-padded); window: a query sees
     `window` keys, itself included, or all earlier ones when None; scale: default 1/sqrt(D);
     documents: int [B, T] (packed sequences) and padding: bool [B, T] (True: a token), per key row;
     softcap: scores become softcap * tanh(score / softcap) before the mask (Gemma 2); sinks: [H],
@@ -39,10 +41,14 @@ def causal_attention(
         query, key, value = (t.to(dtype) for t in (query, key, value))
     check_arguments(query, key, value, q_start, k_start, window, documents, padding, softcap, sinks)
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
+    width, Dv = max(query.shape[-1], value.shape[-1]), value.shape[-1]
+    if query.shape[-1] != Dv:  # zero columns change no score and add no output
+        query, key, value = (F.pad(t, (0, width - t.shape[-1])) for t in (query, key, value))
     kernel = choose_kernel(query, window, documents, padding, softcap, sinks)
-    return KERNELS[kernel](
+    out = KERNELS[kernel](
         query, key, value, q_start, k_start, window, scale, documents, padding, softcap, sinks
     )
+    return out if width == Dv else out[..., :Dv]  # [B, H, L, Dv]
 
 
 def choose_kernel(query, window, documents, padding, softcap=None, sinks=None):

@@ -43,7 +43,7 @@ sliding; `short_conv`; `indexed`: DeepSeek Sparse Attention), `inputs` (`shard_b
 model's pre-hook), `trainer` (`ContextParallelMixin`: transformers' Trainer and TRL's SFTTrainer).
 """
 
-from torch_impl.hf._common import DOCUMENTS, IMPLEMENTATION
+from torch_impl.hf._common import IMPLEMENTATION
 from torch_impl.hf.attention import AttentionPlan
 from torch_impl.hf.data_parallel import apply_ddp, apply_fsdp, gradient_divide_factor
 from torch_impl.hf.inputs import shard_batch
@@ -51,7 +51,6 @@ from torch_impl.hf.parallelize import checkpoint_kwargs, parallelize
 from torch_impl.hf.trainer import ContextParallelMixin
 
 __all__ = [
-    "DOCUMENTS",
     "IMPLEMENTATION",
     "AttentionPlan",
     "ContextParallelMixin",

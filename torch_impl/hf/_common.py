@@ -1,11 +1,26 @@
-"""What the modules of torch_impl.hf share: the registered implementation's name, the kwarg that
-carries packed documents, and reading a forward's arguments by name in hooks."""
+"""What the modules of torch_impl.hf share: the registered implementation's name, the forward's
+CP context that the model's pre-hook makes for its mask function, and reading a forward's
+arguments by name in hooks."""
 
+import contextvars
 import inspect
+from typing import NamedTuple
 
 IMPLEMENTATION = "cp_transport"
 INDEXED = "indexed_attention"  # DeepSeek Sparse Attention (DeepSeek V3.2, GLM-5): MLA + an indexer's top-k
-DOCUMENTS = "cp_documents"  # the kwarg that carries packed sequences' document ids to the attention
+
+
+class Context(NamedTuple):
+    """What one forward's attention layers read besides their own tensors, made once by the model's
+    pre-hook (torch_impl.hf.inputs) and held in CURRENT while the model runs; the mask function
+    puts it in the mask it makes, which transformers hands every attention layer."""
+
+    owner: int  # which parallelized model made it (the id of its hooks' shared state)
+    documents: object  # packed rows' torch_impl.layout.Documents, or None
+    chunks: object  # chunked-attention layers' Documents (attention chunks within documents), or None
+
+
+CURRENT = contextvars.ContextVar("torch_impl_hf_context", default=None)  # the running forward's Context
 
 
 class Arguments:

@@ -27,7 +27,7 @@ from transformers.masking_utils import (
 from torch_impl import _group
 from torch_impl.attention import causal_attention
 from torch_impl.halo import gather_halo
-from torch_impl.hf._common import DOCUMENTS, IMPLEMENTATION
+from torch_impl.hf._common import CURRENT, IMPLEMENTATION, Context
 from torch_impl.hf.indexed import IndexedContext, indexed_attention
 from torch_impl.layout import ShardPlan
 from torch_impl.metadata import gather_metadata
@@ -39,6 +39,8 @@ class LocalMask(NamedTuple):
 
     padding: torch.Tensor | None  # bool [B, L]: this rank's 2-D padding mask (True: a token), or None
     window: int | None  # sliding window W (a query sees W keys, itself included); None: full causal
+    chunked: bool  # chunked attention (Llama 4): keys of the query's attention chunk only
+    context: Context  # the forward's, from the model's pre-hook
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +52,22 @@ class AttentionPlan:
     make_mask: Callable  # transformers' mask function for `attend` (sdpa_mask or eager_mask)
     dense: str | None  # why this layer keeps `attend` on a dense [L, T] mask; None: torch_impl.attention
     layout: str = "contiguous"  # which global rows the rank holds (torch_impl.layout)
+    query_scale: Callable | None = None  # positions -> the per-row factor the module gave its queries
+
+
+def temperature_scale(module):
+    """Llama 4's NoPE layers with temperature tuning scale each query by a function of its row in
+    the sequence, which the module computes from the rank's local rows: as a function of the
+    positions [L], the factor [L] (the module's formula), or None for any other module."""
+    if not (getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True)):
+        return None
+
+    def scale(positions):
+        return (
+            torch.log1p(torch.floor((positions.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+        )
+
+    return scale
 
 
 # --- the registered attention and mask functions -------------------------------------------------
@@ -67,7 +85,15 @@ def local_mask(
     use_vmap=False,
     **kwargs,
 ):
-    """transformers calls this once per forward per mask kind; the math waits for the gathered keys."""
+    """transformers calls this once per forward per mask kind; the math waits for the gathered keys.
+    Called inside the model's forward, after its pre-hook made the forward's Context."""
+    context = CURRENT.get()
+    if context is None:
+        raise ValueError(
+            f"`{IMPLEMENTATION}`: the model's masks were made without the CP context that "
+            "torch_impl.hf.parallelize's pre-hook makes: the model was called through a module the "
+            "adapter did not hook, so its positions and padding would be this rank's alone"
+        )
     if q_offset != 0 or kv_offset != 0 or kv_length != q_length:
         raise ValueError(
             f"`{IMPLEMENTATION}` cannot attend over a KV cache (generation): the model asked for "
@@ -78,7 +104,10 @@ def local_mask(
             f"`{IMPLEMENTATION}` supports causal and sliding-window masks (and packed sequences) only: this "
             "model asked for a mask overlay (bidirectional or blockwise tokens, or a non-causal config)"
         )
-    return LocalMask(attention_mask, local_size)  # packed sequences: the documents come as a kwarg
+    chunked = local_size is not None and local_size == getattr(
+        kwargs.get("config"), "attention_chunk_size", None
+    )
+    return LocalMask(attention_mask, None if chunked else local_size, chunked, context)
 
 
 class Keys(NamedTuple):
@@ -181,7 +210,7 @@ def check_call(module, attention_mask):
             f"{type(module).__name__} uses attention `{IMPLEMENTATION}` but was not prepared by "
             "torch_impl.hf.parallelize"
         )
-    if not isinstance(attention_mask, LocalMask):
+    if not isinstance(attention_mask, (LocalMask, IndexedContext)):
         raise ValueError(
             f"`{IMPLEMENTATION}` needs the mask its mask function made (the model's own create_*_mask), "
             f"got {type(attention_mask).__name__}; custom 4-D masks cannot be split across CP ranks"
@@ -192,14 +221,21 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     """The registered implementation: query [B, H, L, D], key/value [B, Hkv, L, D] on rank r ->
     ([B, L, H, D], weights), equal to the single-process model at the rank's global rows. Each of
     the rank's chunks (one contiguous, two head_tail: ShardPlan) attends over its own keys."""
-    if isinstance(attention_mask, IndexedContext):
-        return indexed_attention(module, query, key, value, attention_mask, **kwargs)
     check_call(module, attention_mask)
-    padding, window = attention_mask
-    documents = kwargs.pop(DOCUMENTS, None)  # packed rows' torch_impl.layout.Documents, from ModelInputs
+    if isinstance(attention_mask, IndexedContext):
+        check_fused_kwargs(module, kwargs)
+        return indexed_attention(module, query, key, value, attention_mask, **kwargs)
+    padding, window, chunked, context = attention_mask
+    documents = context.chunks if chunked else context.documents  # Documents, or None
     plan = module.context_parallel
     n, r = _group.world_size(plan.group), _group.rank(plan.group)
     shard = ShardPlan.of(plan.layout, n, r, query.shape[2])
+    if plan.query_scale is not None:  # scaled by local rows: rescaled to the global ones
+        rows = shard.rows(query.device)  # [L]
+        local, wanted = (
+            plan.query_scale(t).to(query.dtype) for t in (torch.arange(len(rows), device=query.device), rows)
+        )
+        query = query / local[:, None] * wanted[:, None]  # [B, H, L, D]
     keys = fetch_keys(plan.group, shard, key, value, padding, window, documents)
     ids = None if documents is None else documents.ids
     return attend_windows(module, query, keys, ids, window, **kwargs)

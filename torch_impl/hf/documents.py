@@ -6,9 +6,10 @@ Llama, Mistral, Gemma, LFM2, DeepSeek V3.2 and GLM-5 do; GPT-OSS (and Bloom, Fal
 not, and in one process their tokens attend across documents. A rank cannot tell from its own mask
 call (transformers looks for restarts in the rank's own positions, which a shard inside one document
 does not have), and every rank must decide alike (the decision picks each layer's transport), so it
-is read once from the base model's forward, the same on every rank: its calls of transformers'
-mask functions, with their keyword arguments and the `**kwargs` dicts they expand (`mask_kwargs =
-{...}`, copies and item assignments of it).
+is read once from the source of the module that receives the inputs (its forward and the methods
+it defines, BERT's `_create_attention_masks` for instance), the same on every rank: its calls of
+transformers' mask functions, with their keyword arguments and the `**kwargs` dicts they expand
+(`mask_kwargs = {...}`, copies and item assignments of it).
 """
 
 import ast
@@ -28,11 +29,16 @@ log = logging.getLogger("torch_impl.hf")
 
 @functools.cache
 def isolates_documents(model_class):
-    """True when every mask function call in `model_class.forward` receives position_ids, False when
-    none does; None when the forward makes no such call or cannot be read (the adapter then
-    isolates documents, transformers' default for a model that passes what it has)."""
+    """True when every mask function call in `model_class`'s methods (its own and those it inherits
+    from transformers' modeling classes) receives position_ids, False when none does; None when it
+    makes no such call or cannot be read (packed rows are then refused)."""
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(model_class.forward)))
+        sources = [
+            textwrap.dedent(inspect.getsource(cls))
+            for cls in model_class.__mro__
+            if cls.__module__.startswith("transformers.models.") or cls is model_class
+        ]
+        tree = ast.Module([node for source in sources for node in ast.parse(source).body], [])
     except (OSError, TypeError, SyntaxError):
         return None
     aliases, keys = set(MASK_FUNCTIONS), {}  # names bound to mask functions; dict name -> its keys

@@ -171,12 +171,12 @@ def mix(module, mixin):
     return module
 
 
-def indexed_attention(module, query, key, value, context, indices=None, scaling=None, **kwargs):
+def indexed_attention(module, query, key, value, context, indices=None, scaling=None, s_aux=None, **kwargs):
     """An indexed_attention layer on rank r: its queries over the keys its indexer selected.
 
     query: [B, H, L, dn + dr]; key, value: this rank's MLA latents k_pass [B, 1, L, r] and k_rot
     [B, 1, L, dr] (AbsorbedMLA); indices: [B, L, k] global key rows (GLM-5's shared layers: the
-    previous layer's).
+    previous layer's); s_aux: per-head sinks [H] (HY-V4's), or None.
     1. The latents of the causal prefix (r + dr values a token) arrive point to point with
        autograd (`IndexedContext.prefix`; backward: their gradients go back to their owners).
     2. `sparse_mla_attention` in absorbed form, through the module's own `kv_b_proj` weight and
@@ -188,5 +188,7 @@ def indexed_attention(module, query, key, value, context, indices=None, scaling=
     valid = context.visible(queries, indices.long())  # [B, L, k]
     weight, nope_dim = module.kv_b_proj.weight, module.qk_nope_head_dim  # [H * (dn + dv), r]
     picks = context.positions(indices.long())  # [B, L, k]: rows of prefix
-    out = sparse_mla_attention(query, prefix, weight, picks, valid, nope_dim=nope_dim, scale=scaling)
+    out = sparse_mla_attention(
+        query, prefix, weight, picks, valid, nope_dim=nope_dim, scale=scaling, sinks=s_aux
+    )
     return out, None  # [B, L, H, dv]

@@ -9,8 +9,7 @@ import torch.nn.functional as F
 from transformers.masking_utils import find_packed_sequence_indices
 
 from torch_impl import _group, validation
-from torch_impl.hf._common import DOCUMENTS, IMPLEMENTATION, INDEXED, Arguments
-from torch_impl.hf.documents import isolates_documents
+from torch_impl.hf._common import CURRENT, IMPLEMENTATION, INDEXED, Arguments, Context
 from torch_impl.hf.indexed import IndexedContext
 from torch_impl.layout import Documents, ShardPlan, document_reach
 from torch_impl.layout import check as check_layout
@@ -26,31 +25,122 @@ def global_positions(group, local_len, device, layout="contiguous"):
     return ShardPlan.of(layout, _group.world_size(group), _group.rank(group), local_len).rows(device)[None]
 
 
-class ModelInputs:
-    """A forward pre-hook on the base model, for what a rank cannot see in its own tokens.
+class Positions:
+    """The position_ids a model makes itself when it is given none, made over the whole sequence:
+    most families count every token (the global rows); `PaddingIndexPositions` and
+    `MaskCountPositions` count real tokens. Called with this rank's global rows [1, L] and, where
+    `needs_ids` / `needs_padding`, the gathered input_ids / attention_mask [B, S] (or None when
+    the model was not given them); returns [B or 1, L]."""
 
-    - position_ids: filled in with the global positions when absent. Given positions may restart
-      (packed sequences); where transformers then isolates the documents (no attention_mask, no
-      cache, a model that hands its mask functions the positions: torch_impl.hf.documents), the
-      positions are gathered once per forward and their document ids, numbered as transformers'
-      `find_packed_sequence_indices` numbers them over the whole sequence, and how far back each
-      chunk's first document began (torch_impl.layout.Documents), reach every attention layer:
-      the `cp_documents` kwarg (absent when nothing restarts). Layers then fetch only their
-      documents' keys.
+    needs_ids = needs_padding = False
+
+    def __call__(self, rows, ids, padding):
+        return rows
+
+
+class PaddingIndexPositions(Positions):
+    """The RoBERTa family's: the model's own `create_position_ids_from_input_ids` (padding_idx + the
+    count of non-padding tokens up to each one; padding_idx at a padding token), and for
+    inputs_embeds, padding_idx + 1 + the row."""
+
+    needs_ids = True
+
+    def __init__(self, embeddings):
+        self.embeddings = embeddings
+
+    def __call__(self, rows, ids, padding):
+        pad = self.embeddings.padding_idx
+        if ids is None:
+            return rows + pad + 1
+        return self.embeddings.create_position_ids_from_input_ids(ids, pad)[:, rows[0]]  # [B, L]
+
+
+class MaskCountPositions(Positions):
+    """OPT's: the count of real tokens before each one, cumsum(mask) * mask - 1."""
+
+    needs_padding = True
+
+    def __call__(self, rows, ids, padding):
+        if padding is None:
+            return rows
+        count = padding.long().cumsum(dim=1)  # [B, S]
+        return (count * padding - 1).long()[:, rows[0]]  # [B, L]
+
+
+def chunk_ids(chunk, padding, documents, positions, B, S, device):
+    """int64 [B, S]: runs of equal ids, one per attention chunk of `chunk` tokens, as transformers'
+    chunked mask counts them: from each row's first real token (padding: bool [B, S] or None), or
+    in packed rows (documents and their gathered positions [B, S]) from each document's start."""
+    if documents is not None:
+        within = torch.div(positions, chunk, rounding_mode="floor")  # [B, S]
+        starts = (within[:, 1:] != within[:, :-1]) | (documents.ids[:, 1:] != documents.ids[:, :-1])
+        return F.pad(starts.long(), (1, 0)).cumsum(dim=1)  # [B, S]
+    left = torch.zeros(B, dtype=torch.long, device=device)
+    if padding is not None:
+        left = (padding.long().cumsum(dim=-1) == 0).sum(dim=-1)  # [B]: each row's left padding
+    return torch.div(torch.arange(S, device=device)[None] - left[:, None], chunk, rounding_mode="floor")
+
+
+def _reach(ids, chunk_len):
+    """document_reach of ids: one host read per forward; None inside torch.compile, where it would
+    recompile for every batch (the layers then take their windows' reach)."""
+    return None if torch.compiler.is_compiling() else document_reach(ids, chunk_len)
+
+
+TEXT_INPUTS = {  # a hooked forward's parameters a text batch may pass; any other that is set is refused
+    *BATCH_KEYS,
+    "inputs_embeds",
+    "past_key_values",
+    "use_cache",
+    "cache_position",
+    "logits_to_keep",
+    "return_dict",
+    "output_attentions",
+    "output_hidden_states",
+    "self",
+    "args",
+    "kwargs",
+}
+
+
+class ModelInputs:
+    """A forward pre-hook on the module that receives the model's inputs (its base model, and the
+    decoder inside it where the model calls that directly: the first of them that runs in a
+    forward does the work), for what a rank cannot see in its own tokens.
+
+    - position_ids: filled in, when absent, with what the model itself would compute over the
+      whole sequence (`Positions`: the global rows, or for some families a count of real tokens
+      gathered once per forward). Given positions may restart (packed sequences); where
+      transformers then isolates the documents (no attention_mask, no cache, a model that hands its
+      mask functions the positions: torch_impl.hf.documents), the positions are gathered once per
+      forward and their document ids, numbered as transformers' `find_packed_sequence_indices`
+      numbers them over the whole sequence, and how far back each chunk's first document began
+      (torch_impl.layout.Documents), reach every attention layer in the `Context`, which this
+      hook holds in `CURRENT` until the module returns (`done`): the mask function puts it in the
+      masks it makes. Layers then fetch only their documents' keys; chunked-attention layers
+      (Llama 4) likewise their attention chunk's.
     - indexed_attention models get one `IndexedContext` as their mask, with the padding mask
       gathered once per forward ([B, S]) and the documents, and no cache.
-    - a KV cache that already holds tokens is refused (each rank's cache would hold its own keys).
+    - refused: a KV cache that already holds tokens (each rank's cache would hold its own keys),
+      and any input besides a text batch's (pixel values, audio features, token type ids, ...).
     - with `validate` (parallelize's default), the ranks first compare their inputs in one
       all-gather of a few integers (`signature`): ranks given different shapes or arguments, or
       one whose own inputs were refused, raise ValueError on every rank instead of hanging or
       returning inconsistent shards. Skipped inside torch.compile (it reads the result on the host).
     """
 
-    def __init__(self, module, group, indexed, validate, layout="contiguous"):
+    def __init__(self, module, owner, group, indexed, validate, layout, positions, chunk, isolates):
         self.group, self.arguments, self.indexed = group, Arguments(module.forward), indexed
-        self.validate, self.layout = validate, layout
+        self.validate, self.layout, self.owner = validate, layout, owner
+        self.positions = positions  # the model's own default position_ids (Positions)
+        self.chunk = chunk  # chunked attention's chunk size (Llama 4), or None
+        self.isolates = isolates  # whether the model isolates packed documents (None: cannot tell)
+        self.tokens = []  # CURRENT.set's tokens of the forwards this hook prepared, innermost last
 
     def __call__(self, module, args, kwargs):
+        current = CURRENT.get()
+        if current is not None and current.owner == self.owner:  # an outer hooked module prepared it
+            return None
         kwargs = dict(kwargs)
         given = kwargs.pop(LAYOUT, "contiguous")  # shard_batch names a layout other than contiguous
         argument = partial(self.arguments.get, args, kwargs)
@@ -58,7 +148,7 @@ class ModelInputs:
         tokens = argument("inputs_embeds") if tokens is None else tokens
         (B, L), cache, positions = tokens.shape[:2], argument("past_key_values"), argument("position_ids")
         padding, creates_cache = argument("attention_mask"), _creates_cache(module, argument)
-        error = self.check(module, cache, padding)
+        error = self.check(module, cache, padding) or self.check_text(argument)
         if error is None and given != self.layout:
             error = (
                 f"`{IMPLEMENTATION}`: the batch was sharded with layout={given!r} but the model was "
@@ -78,23 +168,37 @@ class ModelInputs:
                 )
         if error:
             raise ValueError(error)
-        documents = None
+        gather = partial(gather_metadata, group=self.group, layout=self.layout)
+        C = ShardPlan.of(self.layout, _group.world_size(self.group), 0, L).chunk_len
+        documents = everywhere = None
         packed = positions is not None and padding is None and cache is None and not creates_cache
-        if packed and isolates_documents(type(module)) is not False:  # as one process would
-            everywhere = gather_metadata(positions.expand(B, -1).contiguous(), self.group, layout=self.layout)
+        if packed and self.isolates is None:
+            raise ValueError(
+                f"`{IMPLEMENTATION}`: packed rows (position_ids without attention_mask) given to "
+                f"{type(module).__name__}, whose mask calls the adapter cannot read, so it cannot tell "
+                "whether one process isolates the documents; pass an attention_mask (the documents "
+                "then attend across each other) or unpacked rows"
+            )
+        if packed and self.isolates:  # as one process would
+            everywhere = gather(positions.expand(B, -1).contiguous())  # [B, S]
             ids = find_packed_sequence_indices(everywhere)  # [B, S], or None: no position restarts
             if ids is not None:
-                C = ShardPlan.of(self.layout, _group.world_size(self.group), 0, L).chunk_len
-                # how far back each chunk's documents reach: one host read per forward (outside
-                # torch.compile, where it would recompile for every batch: there the windows' reach)
-                reach = None if torch.compiler.is_compiling() else document_reach(ids, C)
-                documents = Documents(ids, reach)
+                documents = Documents(ids, _reach(ids, C))
+        rows = global_positions(self.group, L, tokens.device, self.layout)  # [1, L]
+        padded = None  # bool [B, S]: the attention_mask, gathered once where something needs it
+        if padding is not None and (self.chunk or self.positions.needs_padding or self.indexed):
+            padded = gather(padding.bool())
         if positions is None:
-            positions = global_positions(self.group, L, tokens.device, self.layout)
+            ids = argument("input_ids") if self.positions.needs_ids else None
+            positions = self.positions(rows, None if ids is None else gather(ids), padded)  # [B or 1, L]
+        chunks = None
+        if self.chunk:
+            S = L * _group.world_size(self.group)
+            chunks = chunk_ids(self.chunk, padded, documents, everywhere, B, S, tokens.device)
+            chunks = Documents(chunks, _reach(chunks, C))
+        self.tokens.append(CURRENT.set(Context(self.owner, documents, chunks)))
         if self.indexed:
-            if padding is not None:
-                padding = gather_metadata(padding.bool(), self.group, layout=self.layout)  # [B, S]
-            context = IndexedContext(self.group, L, padding, documents, self.layout)
+            context = IndexedContext(self.group, L, padded, documents, self.layout)
             return self.arguments.replace(
                 args,
                 kwargs,
@@ -103,8 +207,7 @@ class ModelInputs:
                 position_ids=positions,
                 use_cache=False,
             )
-        args, kwargs = self.arguments.replace(args, kwargs, position_ids=positions)
-        return args, kwargs if documents is None else kwargs | {DOCUMENTS: documents}
+        return self.arguments.replace(args, kwargs, position_ids=positions)
 
     @staticmethod
     def signature(argument, tokens, creates_cache):
@@ -121,6 +224,23 @@ class ModelInputs:
             "past_key_values": int(argument("past_key_values") is not None),
             "use_cache": int(creates_cache),
         }
+
+    def done(self, module, args, kwargs, output):
+        """The forward hook (always called): the Context this forward's pre-hook set is unset."""
+        if self.tokens:
+            CURRENT.reset(self.tokens.pop())
+
+    def check_text(self, argument):
+        """What is wrong with passing the hooked forward's other arguments, or None: under CP a
+        rank holds a shard of a text batch, and the adapter splits nothing else."""
+        for name in self.arguments.names:
+            if name not in TEXT_INPUTS and argument(name) is not None:
+                return (
+                    f"`{IMPLEMENTATION}`: the model was given `{name}`; under CP a rank takes its shard of a "
+                    "text batch only (input_ids or inputs_embeds, attention_mask, position_ids, labels): "
+                    "image, audio and other inputs are not split across CP ranks"
+                )
+        return None
 
     @staticmethod
     def check(module, cache, mask):

@@ -10,44 +10,71 @@ import sys
 from torch import nn
 import torch.distributed as dist
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-from transformers import PreTrainedConfig
+from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from torch_impl import _group
 from torch_impl.hf._common import IMPLEMENTATION, INDEXED
-from torch_impl.hf.attention import AttentionPlan
+from torch_impl.hf.attention import AttentionPlan, temperature_scale
+from torch_impl.hf.documents import isolates_documents
 from torch_impl.hf.indexed import AbsorbedMLA, BlockedIndexer, mix
-from torch_impl.hf.inputs import ModelInputs
+from torch_impl.hf.inputs import MaskCountPositions, ModelInputs, PaddingIndexPositions, Positions
 from torch_impl.hf.short_conv import ShortConvHalo
 from torch_impl.layout import check as check_layout
 
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "conv", INDEXED)
-SHORT_CONVS = ("Lfm2ShortConv", "Lfm2MoeShortConv")  # causal depthwise conv of in_proj's gated output
-RECURRENT = re.compile(r"Mamba|GatedDeltaNet|LinearAttention|Rwkv|RWKV|Recurrent|Retention|xLSTM|Ssm|SSM")
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "conv", INDEXED)
+# causal depthwise conv of in_proj's gated output
+SHORT_CONVS = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
+RECURRENT = re.compile(
+    r"Mamba|Mixer|GatedDeltaNet|DeltaAttention|LinearAttention|Rwkv|RWKV|Recurrent|Retention|xLSTM|Ssm|SSM"
+)
+# attention modules whose own code does what CP cannot split, by class: why
+REFUSED_ATTENTION = {
+    "DogeAttention": "computes its mask itself, a top-k over every key of the 4-D attention mask",
+}
+# model types whose position_ids default to a count of real tokens (their learned position embeddings)
+MASK_COUNT_POSITIONS = ("opt",)
+TOWERS = re.compile(r"vision|audio|image|video|speech|visual|vq")  # sub-configs of non-text encoders
 log = logging.getLogger("torch_impl.hf")
+
+
+RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "mamba2", "recurrent")
+
+
+RECURRENCE = "carries recurrent state along the sequence, which CP cannot split exactly"
+
+
+def _unsupported(layer_types):
+    """Why layers of these types are refused: the recurrence named where they are one."""
+    if any(t in RECURRENT_LAYER_TYPES for t in layer_types):
+        return f"{RECURRENCE} ({layer_types} layers)"
+    return f"has {layer_types} layers, a kind the adapter does not know (supported: {SUPPORTED_LAYER_TYPES})"
 
 
 def _refuse(name, module, why):
     return ValueError(f"torch_impl.hf.parallelize: {name or 'the model'} ({type(module).__name__}) {why}")
 
 
-def _check_configs(model):
-    """Model-wide refusals, from the model's config and its sub-models' (a catch-all after the walk)."""
+def _check_configs(model, towers):
+    """Model-wide refusals, from the model's config and its sub-models' but its non-text encoders'
+    (a catch-all after the walk)."""
     for name, module in model.named_modules():
         config = getattr(module, "config", None)
-        if not isinstance(config, PreTrainedConfig):
+        if not isinstance(config, PreTrainedConfig) or id(config) in towers:
             continue
         if getattr(config, "is_encoder_decoder", False):
             raise _refuse(name, module, "is an encoder-decoder model: cross attention is not supported")
-        if getattr(config, "attention_chunk_size", None):
-            raise _refuse(name, module, "uses chunked attention, which is not supported")
+        if getattr(config, "attention_chunk_size", None) and getattr(config, "sliding_window", None):
+            raise _refuse(
+                name,
+                module,
+                "has both chunked and sliding-window attention, which its masks cannot tell apart",
+            )
         layer_types = set(getattr(config, "layer_types", None) or ())
         unsupported = sorted(layer_types - set(SUPPORTED_LAYER_TYPES))
         if unsupported:
-            raise _refuse(
-                name, module, f"has layers of types {unsupported}; supported: {SUPPORTED_LAYER_TYPES}"
-            )
+            raise _refuse(name, module, _unsupported(unsupported))
         if INDEXED in layer_types and layer_types != {INDEXED}:
             raise _refuse(name, module, f"mixes {INDEXED!r} layers with {sorted(layer_types - {INDEXED})}")
 
@@ -66,7 +93,9 @@ def _kind(name, module):
     module that mixes them in a way CP cannot reproduce exactly."""
     layer_type = _layer_type(module)
     if layer_type is not None and layer_type not in SUPPORTED_LAYER_TYPES:
-        raise _refuse(name, module, f"is a {layer_type!r} layer; supported: {SUPPORTED_LAYER_TYPES}")
+        raise _refuse(name, module, _unsupported([layer_type]))
+    if type(module).__name__ in REFUSED_ATTENTION:
+        raise _refuse(name, module, REFUSED_ATTENTION[type(module).__name__])
     if hasattr(module, "is_causal") and hasattr(module, "config"):  # transformers' attention modules
         if not module.is_causal or getattr(module, "is_cross_attention", False):
             raise _refuse(
@@ -76,9 +105,7 @@ def _kind(name, module):
     if type(module).__name__ in SHORT_CONVS:
         return "short_conv"
     if RECURRENT.search(type(module).__name__):
-        raise _refuse(
-            name, module, "carries recurrent state along the sequence, which CP cannot split exactly"
-        )
+        raise _refuse(name, module, RECURRENCE)
     if isinstance(module, (nn.Conv1d, nn.Conv2d)):
         raise _refuse(name, module, "is a convolution over the sequence that the adapter does not know")
     return None
@@ -126,23 +153,43 @@ def _attention_plan(name, module, group, layout, dense=False):
             "offsets of a CP rank (flash kernels align causal masks bottom-right)",
         )
     reason = "parallelize(dense=True)" if dense and _layer_type(module) != INDEXED else None
-    return AttentionPlan(group, attend, ALL_MASK_ATTENTION_FUNCTIONS[implementation], reason, layout)
+    make_mask = ALL_MASK_ATTENTION_FUNCTIONS[implementation]
+    return AttentionPlan(group, attend, make_mask, reason, layout, temperature_scale(module))
+
+
+def _towers(model):
+    """The ids of the configs of the model's non-text encoders (vision, audio, ...): their modules
+    are left alone, and `ModelInputs` refuses the inputs that would reach them."""
+    found, configs = set(), [model.config]
+    while configs:
+        config = configs.pop()
+        for key in getattr(config, "sub_configs", None) or {}:
+            sub = getattr(config, key, None)
+            if isinstance(sub, PreTrainedConfig):
+                (found.add(id(sub)) if TOWERS.search(key) else configs.append(sub))
+    return found
 
 
 def _plan(model, group, layout, dense=False):
     """(attention modules with their plans, short convs): every token-mixing module, or ValueError."""
     if not type(model)._can_set_attn_implementation():
         raise _refuse("", model, "does not route its attention through transformers' AttentionInterface")
-    attentions, convs = [], {}
+    attentions, convs, skipped, towers = [], {}, [], _towers(model)
+    text = _decoder(model).config  # the config whose attention implementation parallelize switches
     for name, module in model.named_modules():
-        if any(name.startswith(f"{conv}.") for conv in convs):
-            continue  # inside a short conv, which is handled whole
+        if any(name.startswith(f"{outer}.") for outer in [*convs, *skipped]):
+            continue  # inside a short conv, which is handled whole, or inside a non-text encoder
+        if id(getattr(module, "config", None)) in towers:
+            skipped.append(name)
+            continue
         kind = _kind(name, module)
+        if kind == "attention" and module.config is not text:
+            raise _refuse(name, module, "reads an attention config other than its language model's")
         if kind == "attention":
             attentions.append((module, _attention_plan(name, module, group, layout, dense)))
         elif kind == "short_conv":
             convs[name] = module
-    _check_configs(model)
+    _check_configs(model, towers)
     return attentions, list(convs.values())
 
 
@@ -162,16 +209,60 @@ def apply_attention(model, attentions):
             mix(module, AbsorbedMLA)
             if module.indexer is not None:
                 mix(module.indexer, BlockedIndexer)
-    model.set_attn_implementation(IMPLEMENTATION)
+    decoder = _decoder(model)  # the text model's own config; its sub-configs and encoders keep theirs
+    (decoder if isinstance(decoder, PreTrainedModel) else model).set_attn_implementation({"": IMPLEMENTATION})
     return paths
 
 
+def _decoder(model):
+    """The language model: the innermost module around the input embeddings whose forward takes an
+    attention_mask and position_ids (a multimodal model's text model; OPT's decoder, which its
+    causal LM calls directly; Llama 4's text model)."""
+    embeddings = model.get_input_embeddings()
+    name = next(name for name, module in model.named_modules() if module is embeddings)
+    parts = name.split(".")[:-1]
+    for depth in range(len(parts), -1, -1):
+        module = model.get_submodule(".".join(parts[:depth]))
+        if {"attention_mask", "position_ids"} <= set(inspect.signature(module.forward).parameters):
+            return module
+    return model.base_model
+
+
+def _positions(model, decoder):
+    """The model's own default position_ids, as a torch_impl.hf.inputs.Positions."""
+    embeddings = next((m for m in decoder.modules() if model.get_input_embeddings() in m.children()), None)
+    if callable(getattr(embeddings, "create_position_ids_from_input_ids", None)):  # the RoBERTa family
+        return PaddingIndexPositions(embeddings)
+    if decoder.config.model_type in MASK_COUNT_POSITIONS:
+        return MaskCountPositions()
+    return Positions()
+
+
+def _hooked(model):
+    """The modules whose pre-hook prepares the model's inputs, outer first: its base model and its
+    decoder (OPT's causal LM calls the decoder directly); ValueError for one without position_ids."""
+    hooked = list(dict.fromkeys([model.base_model, _decoder(model)]))
+    for module in hooked:
+        if "position_ids" not in inspect.signature(module.forward).parameters:
+            raise _refuse("", module, "takes no position_ids, so it cannot be given its global positions")
+    return hooked
+
+
 def apply_inputs(model, group, validate, layout="contiguous"):
-    """The base model's inputs: global positions, documents, indexed_attention's context, the
-    refusal of a filled KV cache and (validate) the cross-rank check."""
-    base = model.base_model
-    indexed = INDEXED in (getattr(base.config, "layer_types", None) or ())
-    base.register_forward_pre_hook(ModelInputs(base, group, indexed, validate, layout), with_kwargs=True)
+    """The model's inputs (global positions, documents, attention chunks, indexed_attention's
+    context, the refusal of a filled KV cache or of non-text inputs, and (validate) the cross-rank
+    check), prepared by a pre-hook on its base model and on its decoder (the first to run does it)."""
+    decoder = _decoder(model)
+    config = decoder.config
+    indexed = INDEXED in (getattr(config, "layer_types", None) or ())
+    chunk = getattr(config, "attention_chunk_size", None)
+    positions = _positions(model, decoder)
+    hooked = _hooked(model)
+    isolates = next((i for m in hooked if (i := isolates_documents(type(m))) is not None), None)
+    for module in hooked:
+        hook = ModelInputs(module, id(model), group, indexed, validate, layout, positions, chunk, isolates)
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        module.register_forward_hook(hook.done, with_kwargs=True, always_call=True)
 
 
 def apply_short_conv(convs, group, layout="contiguous"):
@@ -206,9 +297,10 @@ def parallelize(model, group, *, layout="contiguous", validate=True, verbose=Tru
     check_layout(layout)
     if _group.world_size(group) == 1:
         return model
-    if model.config._attn_implementation == IMPLEMENTATION:
+    if _decoder(model).config._attn_implementation == IMPLEMENTATION:
         raise _refuse("", model, "is already context-parallel")
     attentions, convs = _plan(model, group, layout, dense)
+    _hooked(model)
     apply_inputs(model, group, validate, layout)
     paths = apply_attention(model, attentions) | apply_short_conv(convs, group, layout)
     model.cp_transport_paths = paths

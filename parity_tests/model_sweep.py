@@ -1,0 +1,162 @@
+"""The model sweep (`make models`): every causal-LM family of the pinned transformers, made CP by
+torch_impl.hf on 2 gloo ranks, against one process; writes the support matrix `docs/models.md`.
+
+    python -m parity_tests.model_sweep                  # every family; exits 1 on any wrong or crash
+    python -m parity_tests.model_sweep --families llama,opt --no-write
+
+Each family (parity_tests.zoo: a tiny float64 model from its config, every layer type it has) runs
+each of the sweep's batches (zoo.CASES: padded rows under both layouts, packed rows) through
+parity_tests.zoo_cases.compare on both ranks: exact, refused (the adapter's ValueError), skipped
+(the zoo or one process cannot run it: why), wrong or crash. A family's verdict is its worst
+case's. The matrix is stamped with a hash of the adapter's and the zoo's sources, and the suite
+fails when it is stale (parity_tests/test_models.py).
+"""
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+import re
+import sys
+import time
+
+from parity_tests import zoo, zoo_cases
+from parity_tests.workers import CaseFailed, WorkerPool
+
+ROOT = Path(__file__).resolve().parent.parent
+MATRIX = ROOT / "docs" / "models.md"
+SOURCES = ("torch_impl/hf/*.py", "torch_impl/attention/*.py", "parity_tests/zoo*.py")
+ORDER = ("crash", "wrong", "refused", "skipped", "exact")  # a family's verdict: its worst case's
+GROUPING = ("first", 2)
+CASE_TIMEOUT_S = 90
+
+
+def stamp():
+    """A hash of the sources the matrix depends on (the adapter, the attention, the zoo)."""
+    digest = hashlib.sha256()
+    for pattern in SOURCES:
+        for path in sorted(ROOT.glob(pattern)):
+            digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def sweep_family(pool, model_type, cp=True, cases=None):
+    """{case: (verdict, why, each rank's ratios)} for one family over the sweep's batches; a refusal
+    or skip of the first (padded rows) ends it."""
+    results = {}
+    for case in cases or zoo.CASES:
+        try:
+            ranks = pool.run(GROUPING, zoo_cases.compare, model_type, case, cp, timeout=CASE_TIMEOUT_S)[0]
+        except CaseFailed as e:
+            results[case] = ("crash", str(e)[-2000:])
+            continue
+        worst = min(ranks, key=lambda res: ORDER.index(res["verdict"]))
+        results[case] = (worst["verdict"], worst["why"], *(r.get("ratios") for r in ranks))
+        if len(results) == 1 and worst["verdict"] in ("refused", "skipped"):
+            break
+    return results
+
+
+def verdict(results):
+    """(verdict, why) of a family: wrong or crash if any case is; else the first case's (padded
+    rows), with the later cases that were refused or skipped named in `why`."""
+    first = next(iter(results))
+    worst = min(results, key=lambda c: ORDER.index(results[c][0]))
+    if results[worst][0] in ("wrong", "crash"):
+        return results[worst][0], f"{worst}: {results[worst][1]}"
+    outcome, why = results[first][:2]
+    if outcome == "exact":
+        why = "; ".join(f"{c} {v}: {w}" for c, (v, w, *_) in results.items() if v != "exact")
+    return outcome, why
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", help="comma-separated model types (default: every one)")
+    parser.add_argument("--no-write", action="store_true", help="do not write docs/models.md")
+    parser.add_argument("--json", default=str(ROOT / "out" / "models.json"))
+    args = parser.parse_args(argv)
+    families = args.families.split(",") if args.families else list(zoo.MODEL_TYPES)
+    pool, rows, start = WorkerPool(), [], time.monotonic()
+    try:
+        for model_type in families:
+            t = time.monotonic()
+            results = sweep_family(pool, model_type)
+            outcome, why = verdict(results)
+            rows.append(
+                {"model_type": model_type, "verdict": outcome, "why": why, **zoo.describe(model_type)}
+            )
+            print(f"{model_type:28s} {outcome:8s} {time.monotonic() - t:5.1f}s  {why[:150]}", flush=True)
+    finally:
+        pool.close()
+    counts = {v: sum(row["verdict"] == v for row in rows) for v in ORDER}
+    print(f"{len(rows)} families in {time.monotonic() - start:.0f}s: {counts}")
+    Path(args.json).parent.mkdir(exist_ok=True)
+    Path(args.json).write_text(json.dumps(rows, indent=1))
+    if not args.no_write and not args.families:
+        MATRIX.write_text(matrix(rows))
+        print(f"wrote {MATRIX.relative_to(ROOT)}")
+    return 1 if counts["wrong"] or counts["crash"] else 0
+
+
+def _reason(why):
+    """(the module class a refusal names or None, the reason without it or the layer types it
+    names): refusals that differ only in those group together."""
+    why = re.sub(r"^(torch_impl\.hf\.parallelize|`cp_transport`): ", "", why)
+    named = re.match(r"^(?:the model|\S+) \((\w+)\) ", why)
+    why = why[named.end() :] if named else why
+    why = re.sub(r"\[[^]]*\] layers", "[…] layers", re.sub(r" \(\[[^]]*\] layers\)", "", why))
+    return (named.group(1) if named else None), why
+
+
+def matrix(rows):
+    """docs/models.md: counts, the refusals grouped by reason, then one row per family."""
+    import transformers
+
+    counts = {v: sum(row["verdict"] == v for row in rows) for v in ORDER}
+    lines = [
+        "# Which transformers models torch_impl.hf makes context-parallel",
+        "",
+        "Generated by `make models` (parity_tests/model_sweep.py) on transformers "
+        f"{transformers.__version__}; sources stamp `{stamp()}` (the suite fails when the adapter or the zoo changed since).",
+        "",
+        "Every causal-LM class of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, built tiny from its config (random "
+        "weights, float64, every layer type its config has, windows and chunks of 8 tokens), on 2 gloo "
+        "ranks against one process: padded rows (right and left) under both layouts, and packed rows "
+        "(position_ids restarting). **exact**: logits, the summed loss and every gradient equal one "
+        "process to float64 rounding (parity_tests/zoo_cases.py); **refused**: `hf.parallelize` or the "
+        "first call raises `ValueError` with the reason below; **skipped**: the family could not be run "
+        "here at all. A run without `parallelize` comes out wrong for every family that mixes tokens.",
+        "",
+        "| verdict | families |",
+        "|---|---|",
+        *(f"| {v} | {counts[v]} |" for v in ORDER if counts[v]),
+        "",
+        "## Refused, by reason",
+        "",
+    ]
+    groups = {}
+    for row in rows:
+        if row["verdict"] in ("refused", "skipped"):
+            named, reason = _reason(row["why"])
+            family = f"`{row['model_type']}`" + (f" ({named})" if named else "")
+            groups.setdefault((row["verdict"], reason), []).append(family)
+    for (outcome, reason), families in sorted(groups.items(), key=lambda kv: (kv[0][0], -len(kv[1]))):
+        lines.append(f"- **{outcome}**, {len(families)}: {reason}: {', '.join(families)}")
+    lines += [
+        "",
+        "## Every family",
+        "",
+        "| model type | class | layer kinds | verdict | why |",
+        "|---|---|---|---|---|",
+    ]
+    for row in rows:
+        why = "" if row["verdict"] == "exact" else row["why"].replace("|", "\\|")
+        lines.append(
+            f"| `{row['model_type']}` | `{row['class']}` | {row['layers']} | {row['verdict']} | {why} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

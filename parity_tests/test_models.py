@@ -1,0 +1,61 @@
+"""The model sweep's quick subset, and what keeps the support matrix honest.
+
+`make models` runs every causal-LM family of the pinned transformers (parity_tests.model_sweep); here
+a dozen of them, every layer kind the adapter has once, run the same cases on 2 ranks (rank 0: tokens
+[0, 16), rank 1: [16, 32); head_tail: chunks 0 and 3, 1 and 2 of 8 tokens): padded rows (right, and
+left with the pad token at the padding), both layouts, and packed rows. Each family must come out
+as docs/models.md says, and that matrix must be current.
+"""
+
+import re
+
+import pytest
+
+from parity_tests import model_sweep, zoo_cases
+
+QUICK = {  # family: (what it exercises, its verdict)
+    "llama": ("full attention", "exact"),
+    "mistral": ("sliding windows", "exact"),
+    "gemma3_text": ("sliding and full layers", "exact"),
+    "gemma2": ("soft-capped attention", "exact"),
+    "gpt_oss": ("attention sinks", "exact"),
+    "lfm2": ("short convolutions", "exact"),
+    "lfm3": ("short convolutions with sliding and full layers", "exact"),
+    "llama4_text": ("chunked attention, NoPE layers scaling queries by their row", "exact"),
+    "deepseek_v32": ("DeepSeek Sparse Attention", "exact"),
+    "hy_v4": ("DeepSeek Sparse Attention with sinks", "exact"),
+    "opt": ("a causal LM calling its decoder directly; positions counting real tokens", "exact"),
+    "roberta": ("positions from the padding index and the pad tokens", "exact"),
+    "gemma3": ("a multimodal model given text", "exact"),
+    "doge": ("an attention that edits its mask", "refused"),
+    "qwen3_next": ("a recurrence", "refused"),
+}
+
+
+@pytest.mark.parametrize("family", QUICK)
+def test_family_equals_one_process_or_is_refused(pool, family):
+    results = model_sweep.sweep_family(pool, family)
+    outcome, why = model_sweep.verdict(results)
+    assert outcome == QUICK[family][1], (family, results)
+    assert re.search(rf"\| `{family}` \| [^|]+ \| [^|]+ \| {outcome} \|", model_sweep.MATRIX.read_text())
+
+
+@pytest.mark.parametrize("family", ["llama", "lfm2"])
+def test_the_sweep_can_fail(pool, family):
+    """The same cases without `parallelize` (each rank runs the model on its shard alone): wrong."""
+    results = model_sweep.sweep_family(pool, family, cp=False, cases=["padded"])
+    assert model_sweep.verdict(results)[0] == "wrong", results
+
+
+def test_the_support_matrix_is_current():
+    """docs/models.md was generated from today's adapter and zoo: `make models` regenerates it."""
+    text = model_sweep.MATRIX.read_text()
+    assert f"sources stamp `{model_sweep.stamp()}`" in text, "docs/models.md is stale: run `make models`"
+    assert "| wrong |" not in text and "| crash |" not in text
+
+
+def test_image_inputs_are_refused(pool):
+    """Gemma 3's multimodal class runs text batches exactly (above); given pixel values, it refuses
+    on every rank before the first layer."""
+    for message in pool.run(("first", 2), zoo_cases.image_inputs, "gemma3")[0]:
+        assert "was given `pixel_values`" in message and "image, audio" in message, message

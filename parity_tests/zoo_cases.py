@@ -1,0 +1,173 @@
+"""What each gloo rank runs for the model sweep: one family of the zoo (parity_tests.zoo), made CP by
+torch_impl.hf, against the same model in one process, on each of the sweep's batches.
+
+Every rank builds the model from the same seed and runs the single-process reference itself (the
+whole batch), then the CP model on its shard. Both run with the model's float32 steps kept in
+float64 (`Float64Steps`: transformers rounds float64 models through float32 in its norms, routers
+and losses; a family that is exact with those casts kept in float64 is exact), so that the two
+differ only by float64 sums taken in another order, and the bounds are float64's:
+
+- logits: 2 layers (S + hidden) u64 of their largest entry (each layer sums over up to S keys and
+  over its width, the projections' and the scores' dot products, in another order: the fused
+  attention blocks them otherwise; hf_reference's bound without its float32 steps);
+- the summed loss: 2 (B S + n) u64 of itself plus twice the logits' bound;
+- each parameter's gradient, summed over the ranks: 2 (B S H + layers S) u64 of the model's largest
+  gradient entry (a weight gradient sums B S tokens' contributions over H heads; a gradient that is
+  zero in exact arithmetic, such as a key bias's under softmax, is rounding noise around zero, so the
+  scale is the model's, not the parameter's own).
+
+A wrong result is far outside them: without `parallelize` every family that mixes tokens is off by
+1e-3 or more (parity_tests/test_models.py checks that the sweep says so).
+"""
+
+import copy
+from pathlib import Path
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+from parity_tests import bounds, zoo
+from torch_impl import hf
+from torch_impl.layout import ShardPlan
+
+
+class Float64Steps(TorchFunctionMode):
+    """A float64 tensor that the model casts to float32 stays float64 (`x.float()`, `x.to(torch.float32)`,
+    `softmax(x, dtype=torch.float32)`, ...): the model's float32 steps run in float64. A function
+    mode, above autograd, so that autograd records the dtypes the tensors have."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if args and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64:
+            if func is torch.Tensor.float:
+                return args[0]
+            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            if kwargs.get("dtype") is torch.float32:
+                kwargs = {**kwargs, "dtype": torch.float64}
+        return func(*args, **kwargs)
+
+
+def _run(model, batch):
+    with Float64Steps():
+        out = model(**batch)
+        out.loss.backward()
+    grads = {key: p.grad for key, p in model.named_parameters()}
+    return out.logits.detach(), out.loss.detach(), grads
+
+
+def _error(e):
+    return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+
+
+def compare(group, model_type, case, cp=True):
+    """One family on one of the sweep's batches (zoo.CASES) on this rank: a verdict dict.
+
+    {"verdict": "exact" | "wrong" | "refused" | "crash" | "skipped", "why": ..., "ratios": the
+    worst difference / bound of logits, loss and gradients}. "skipped": the zoo could not build the
+    model or one process cannot run the batch (the reason). cp False: the same without
+    `parallelize` (each rank runs the model on its own shard alone), which must come out wrong.
+    """
+    default = torch.get_default_dtype()
+    if model_type in zoo.DEFAULT_FLOAT64:
+        torch.set_default_dtype(torch.float64)
+    try:
+        return _compare(group, model_type, case, cp)
+    finally:
+        torch.set_default_dtype(default)
+
+
+def _compare(group, model_type, case, cp):
+    layout, make_batch = zoo.CASES[case]
+    if model_type in zoo.SKIPPED:
+        return {"verdict": "skipped", "why": zoo.SKIPPED[model_type]}
+    try:
+        model = zoo.build(model_type)
+        batch = make_batch(model.config)
+        one_process = copy.deepcopy(model)
+    except Exception as e:  # the zoo's limit, not the adapter's
+        return {"verdict": "skipped", "why": _error(e)}
+    try:
+        if cp:
+            hf.parallelize(model, group, layout=layout, verbose=False)
+    except ValueError as e:
+        return {"verdict": "refused", "why": str(e).splitlines()[0]}
+    try:
+        reference = _run(one_process, batch)
+    except Exception as e:  # one process cannot run the batch
+        return {"verdict": "skipped", "why": _error(e)}
+    if not torch.isfinite(reference[0]).all():
+        return {"verdict": "skipped", "why": "one process gives non-finite logits on this batch"}
+    try:
+        local = hf.shard_batch(batch, group, layout=layout)
+        logits, loss, grads = _run(model, local)
+    except ValueError as e:
+        if _raised_by_the_adapter(e):
+            return {"verdict": "refused", "why": str(e).splitlines()[0]}
+        return {"verdict": "crash", "why": traceback.format_exc()[-2000:]}
+    except Exception:
+        return {"verdict": "crash", "why": traceback.format_exc()[-2000:]}
+    ratios, why = _ratios(model, batch, reference, (logits, loss, grads), group, layout)
+    return {"verdict": "exact" if max(ratios.values()) <= 1 else "wrong", "why": why, "ratios": ratios}
+
+
+def _raised_by_the_adapter(error):
+    """Whether a ValueError is one of torch_impl's refusals (raised in its own code)."""
+    return "torch_impl" in Path(traceback.extract_tb(error.__traceback__)[-1].filename).parts
+
+
+def _ratios(model, batch, reference, local, group, layout):
+    """Each comparison's difference over its bound (the module docstring's), and what came out worst."""
+    ref_logits, ref_loss, ref_grads = reference
+    logits, loss, grads = local
+    (B, S), n = batch["input_ids"].shape, dist.get_world_size(group)
+    layers, heads = zoo.depth(model.config), zoo.heads(model.config)
+    u = bounds.u("float64")
+    rows = ShardPlan.of(layout, n, dist.get_rank(group), S // n).rows()  # [L]: this rank's global rows
+    valid = batch.get("attention_mask", torch.ones(B, S))[:, rows].bool()  # [B, L]
+    logits_bound = 2 * layers * (S + zoo.width(model.config)) * u * ref_logits.abs().max()
+    differences = {"logits": (logits - ref_logits[:, rows]).abs()[valid].max() / logits_bound}
+    total = loss.clone()
+    dist.all_reduce(total, group=group)
+    loss_bound = 2 * (B * S + n) * u * ref_loss.abs() + 2 * logits_bound
+    differences["loss"] = (total - ref_loss).abs() / loss_bound
+    scale = max(g.abs().max() for g in ref_grads.values() if g is not None)
+    grads_bound = 2 * (B * S * heads + layers * S) * u * scale
+    worst, worst_key, missing = 0.0, None, []
+    for key, g in ref_grads.items():  # the same order on every rank: the all_reduces pair up
+        if (g is None) != (grads[key] is None):
+            missing.append(key)
+            continue
+        if g is None:
+            continue
+        summed = grads[key].clone()
+        dist.all_reduce(summed, group=group)
+        ratio = float((summed - g).abs().max() / grads_bound)
+        if ratio > worst:
+            worst, worst_key = ratio, key
+    differences["grads"] = worst if not missing else float("inf")
+    ratios = {k: float(v) for k, v in differences.items()}
+    what = max(ratios, key=ratios.get)
+    why = (
+        f"gradient of {missing} in one of the runs only"
+        if missing
+        else f"{what} at {ratios[what]:.2g}x the bound"
+    )
+    if what == "grads" and not missing:
+        why += f" ({worst_key})"
+    return ratios, why
+
+
+def image_inputs(group, model_type):
+    """A multimodal family made CP and given a text batch with pixel values: the ValueError."""
+    model = zoo.build(model_type)
+    hf.parallelize(model, group, verbose=False)
+    local = hf.shard_batch(zoo.padded_batch(model.config), group)
+    vision = model.config.vision_config
+    pixels = torch.zeros(3, vision.num_channels, vision.image_size, vision.image_size, dtype=torch.float64)
+    try:
+        model(**local, pixel_values=pixels)
+    except ValueError as e:
+        return str(e)
+    return None
