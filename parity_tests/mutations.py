@@ -189,6 +189,56 @@ MUTATIONS += [
         "sharded.num_processes = sharded.num_processes",
         ("parity_tests/test_trainer.py", "-k", "same_rows"),
     ),
+    # the model sweep's quick subset (parity_tests/test_models.py) must see these
+    Mutation(  # OPT's positions as every other family's: its left-padded row shifts by 3
+        "opt_positions_count_every_token",
+        "torch_impl/hf/inputs.py",
+        "        if padding is None:\n            return rows\n        count",
+        "        if True:\n            return rows\n        count",
+        ("parity_tests/test_models.py", "-k", "family_equals and opt"),
+    ),
+    Mutation(  # RoBERTa's positions from the rows, blind to its pad tokens
+        "roberta_positions_ignore_the_pad_tokens",
+        "torch_impl/hf/inputs.py",
+        "        if ids is None:\n            return rows + pad + 1",
+        "        if True:\n            return rows + pad + 1",
+        ("parity_tests/test_models.py", "-k", "family_equals and roberta"),
+    ),
+    Mutation(  # packed rows' attention chunks counted from the row's start, not each document's
+        "chunks_from_the_rows_in_packed_rows",
+        "torch_impl/hf/inputs.py",
+        "    if documents is not None:\n        within",
+        "    if False:\n        within",
+        ("parity_tests/test_models.py", "-k", "family_equals and llama4"),
+    ),
+    Mutation(  # Llama 4's NoPE layers keep the scales of their local rows
+        "nope_queries_keep_their_local_scale",
+        "torch_impl/hf/attention.py",
+        "query = query / local[:, None] * wanted[:, None]",
+        "query = query / local[:, None] * local[:, None]",
+        ("parity_tests/test_models.py", "-k", "family_equals and llama4"),
+    ),
+    Mutation(  # HY-V4's sinks dropped by the sparse attention (no gradient, other weights)
+        "sparse_mla_drops_the_sinks",
+        "torch_impl/hf/indexed.py",
+        "scale=scaling, sinks=s_aux",
+        "scale=scaling, sinks=None",
+        ("parity_tests/test_models.py", "-k", "family_equals and hy_v4"),
+    ),
+    Mutation(  # MLA's narrower value heads cut from the wrong end of the padded output
+        "mla_values_cut_from_the_padding",
+        "torch_impl/attention/kernels.py",
+        "out[..., :Dv]",
+        "out[..., width - Dv :]",
+        ("parity_tests/test_models.py", "-k", "family_equals and deepseek_v3"),
+    ),
+    Mutation(  # documents isolated in a model that does not isolate them (RoBERTa's masks)
+        "documents_isolated_where_the_model_does_not",
+        "torch_impl/hf/inputs.py",
+        "if packed and self.isolates:",
+        "if packed and self.isolates is not None:",
+        ("parity_tests/test_models.py", "-k", "family_equals and roberta"),
+    ),
 ]
 
 

@@ -22,6 +22,7 @@ QUICK = {  # family: (what it exercises, its verdict)
     "lfm2": ("short convolutions", "exact"),
     "lfm3": ("short convolutions with sliding and full layers", "exact"),
     "llama4_text": ("chunked attention, NoPE layers scaling queries by their row", "exact"),
+    "deepseek_v3": ("MLA: value heads narrower than the query and key heads", "exact"),
     "deepseek_v32": ("DeepSeek Sparse Attention", "exact"),
     "hy_v4": ("DeepSeek Sparse Attention with sinks", "exact"),
     "opt": ("a causal LM calling its decoder directly; positions counting real tokens", "exact"),
