@@ -60,3 +60,20 @@ def test_image_inputs_are_refused(pool):
     on every rank before the first layer."""
     for message in pool.run(("first", 2), zoo_cases.image_inputs, "gemma3")[0]:
         assert "was given `pixel_values`" in message and "image, audio" in message, message
+
+
+def test_a_mask_made_outside_the_forward_is_refused(pool):
+    """The forward's context reaches the attention layers in the masks the pre-hook's forward makes;
+    a mask made without it (the model called through a module the adapter did not hook) raises."""
+    for message in pool.run(("first", 2), zoo_cases.mask_outside_the_forward, "llama")[0]:
+        assert "made without the CP context" in message, message
+
+
+def test_the_whole_model_compiles_as_one_graph(pool):
+    """torch.compile(model, fullgraph=True) on packed rows: the pre-hook, the documents it makes and
+    the masks that carry them trace with every layer; aot_eager runs the eager kernels, so the
+    logits equal the eager model's bit for bit."""
+    for difference in pool.run(("first", 2), zoo_cases.compiled_whole_model, "llama", "packed", timeout=300)[
+        0
+    ]:
+        assert difference == 0.0, difference

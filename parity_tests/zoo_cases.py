@@ -171,3 +171,35 @@ def image_inputs(group, model_type):
     except ValueError as e:
         return str(e)
     return None
+
+
+def compiled_whole_model(group, model_type, case):
+    """The family made CP, then the whole model compiled (aot_eager, fullgraph=True: the pre-hook,
+    the masks carrying the forward's context and every layer in one graph): the largest difference
+    of its logits from the eager model's on the case's batch."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    layout, make_batch = zoo.CASES[case]
+    model = zoo.build(model_type)
+    hf.parallelize(model, group, layout=layout, verbose=False)
+    local = hf.shard_batch(make_batch(model.config), group, layout=layout)
+    eager = model(**local).logits
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(**local).logits
+    return float((compiled - eager).abs().max())
+
+
+def mask_outside_the_forward(group, model_type):
+    """A CP model's causal mask made outside its forward (its pre-hook never ran): the ValueError."""
+    from transformers.masking_utils import create_causal_mask
+
+    model = zoo.build(model_type)
+    hf.parallelize(model, group, verbose=False)
+    embeds = torch.zeros(1, 4, model.config.hidden_size, dtype=torch.float64)
+    try:
+        create_causal_mask(
+            config=model.config, inputs_embeds=embeds, attention_mask=None, past_key_values=None
+        )
+    except ValueError as e:
+        return str(e)
+    return None

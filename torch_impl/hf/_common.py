@@ -2,7 +2,6 @@
 CP context that the model's pre-hook makes for its mask function, and reading a forward's
 arguments by name in hooks."""
 
-import contextvars
 import inspect
 from typing import NamedTuple
 
@@ -12,7 +11,7 @@ INDEXED = "indexed_attention"  # DeepSeek Sparse Attention (DeepSeek V3.2, GLM-5
 
 class Context(NamedTuple):
     """What one forward's attention layers read besides their own tensors, made once by the model's
-    pre-hook (torch_impl.hf.inputs) and held in CURRENT while the model runs; the mask function
+    pre-hook (torch_impl.hf.inputs) and held in RUNNING while the model runs; the mask function
     puts it in the mask it makes, which transformers hands every attention layer."""
 
     owner: int  # which parallelized model made it (the id of its hooks' shared state)
@@ -20,7 +19,15 @@ class Context(NamedTuple):
     chunks: object  # chunked-attention layers' Documents (attention chunks within documents), or None
 
 
-CURRENT = contextvars.ContextVar("torch_impl_hf_context", default=None)  # the running forward's Context
+class Running:
+    """The Context of the parallelized forward that is running (None outside one): set by its
+    pre-hook, restored by its forward hook. A plain attribute, which torch.compile traces (it does
+    not trace a ContextVar)."""
+
+    context = None
+
+
+RUNNING = Running()
 
 
 class Arguments:

@@ -27,7 +27,7 @@ from transformers.masking_utils import (
 from torch_impl import _group
 from torch_impl.attention import causal_attention
 from torch_impl.halo import gather_halo
-from torch_impl.hf._common import CURRENT, IMPLEMENTATION, Context
+from torch_impl.hf._common import IMPLEMENTATION, RUNNING, Context
 from torch_impl.hf.indexed import IndexedContext, indexed_attention
 from torch_impl.layout import ShardPlan
 from torch_impl.metadata import gather_metadata
@@ -87,7 +87,7 @@ def local_mask(
 ):
     """transformers calls this once per forward per mask kind; the math waits for the gathered keys.
     Called inside the model's forward, after its pre-hook made the forward's Context."""
-    context = CURRENT.get()
+    context = RUNNING.context
     if context is None:
         raise ValueError(
             f"`{IMPLEMENTATION}`: the model's masks were made without the CP context that "

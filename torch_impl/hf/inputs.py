@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from transformers.masking_utils import find_packed_sequence_indices
 
 from torch_impl import _group, validation
-from torch_impl.hf._common import CURRENT, IMPLEMENTATION, INDEXED, Arguments, Context
+from torch_impl.hf._common import IMPLEMENTATION, INDEXED, RUNNING, Arguments, Context
 from torch_impl.hf.indexed import IndexedContext
 from torch_impl.layout import Documents, ShardPlan, document_reach
 from torch_impl.layout import check as check_layout
@@ -116,7 +116,7 @@ class ModelInputs:
       forward and their document ids, numbered as transformers' `find_packed_sequence_indices`
       numbers them over the whole sequence, and how far back each chunk's first document began
       (torch_impl.layout.Documents), reach every attention layer in the `Context`, which this
-      hook holds in `CURRENT` until the module returns (`done`): the mask function puts it in the
+      hook holds in `RUNNING` until the module returns (`done`): the mask function puts it in the
       masks it makes. Layers then fetch only their documents' keys; chunked-attention layers
       (Llama 4) likewise their attention chunk's.
     - indexed_attention models get one `IndexedContext` as their mask, with the padding mask
@@ -135,10 +135,10 @@ class ModelInputs:
         self.positions = positions  # the model's own default position_ids (Positions)
         self.chunk = chunk  # chunked attention's chunk size (Llama 4), or None
         self.isolates = isolates  # whether the model isolates packed documents (None: cannot tell)
-        self.tokens = []  # CURRENT.set's tokens of the forwards this hook prepared, innermost last
+        self.outer = []  # per forward this hook prepared, innermost last: the Context it replaced
 
     def __call__(self, module, args, kwargs):
-        current = CURRENT.get()
+        current = RUNNING.context
         if current is not None and current.owner == self.owner:  # an outer hooked module prepared it
             return None
         kwargs = dict(kwargs)
@@ -196,7 +196,8 @@ class ModelInputs:
             S = L * _group.world_size(self.group)
             chunks = chunk_ids(self.chunk, padded, documents, everywhere, B, S, tokens.device)
             chunks = Documents(chunks, _reach(chunks, C))
-        self.tokens.append(CURRENT.set(Context(self.owner, documents, chunks)))
+        self.outer.append(RUNNING.context)
+        RUNNING.context = Context(self.owner, documents, chunks)
         if self.indexed:
             context = IndexedContext(self.group, L, padded, documents, self.layout)
             return self.arguments.replace(
@@ -227,8 +228,8 @@ class ModelInputs:
 
     def done(self, module, args, kwargs, output):
         """The forward hook (always called): the Context this forward's pre-hook set is unset."""
-        if self.tokens:
-            CURRENT.reset(self.tokens.pop())
+        if self.outer:
+            RUNNING.context = self.outer.pop()
 
     def check_text(self, argument):
         """What is wrong with passing the hooked forward's other arguments, or None: under CP a
