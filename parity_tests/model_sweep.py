@@ -83,14 +83,20 @@ def main(argv=None):
             t = time.monotonic()
             results = sweep_family(pool, model_type)
             outcome, why = verdict(results)
-            rows.append(
-                {"model_type": model_type, "verdict": outcome, "why": why, **zoo.describe(model_type)}
-            )
+            ratios = [r for _, _, *ranks in results.values() for r in ranks if r]
+            worst = max((max(r.values()) for r in ratios), default=None)  # difference / bound
+            row = {"model_type": model_type, "verdict": outcome, "why": why, "worst": worst}
+            rows.append(row | zoo.describe(model_type))
             print(f"{model_type:28s} {outcome:8s} {time.monotonic() - t:5.1f}s  {why[:150]}", flush=True)
     finally:
         pool.close()
     counts = {v: sum(row["verdict"] == v for row in rows) for v in ORDER}
     print(f"{len(rows)} families in {time.monotonic() - start:.0f}s: {counts}")
+    closest = max(
+        (row for row in rows if row["verdict"] == "exact"), key=lambda row: row["worst"], default=None
+    )
+    if closest:
+        print(f"closest to a bound: {closest['model_type']} at {closest['worst']:.2g} of it")
     Path(args.json).parent.mkdir(exist_ok=True)
     Path(args.json).write_text(json.dumps(rows, indent=1))
     if not args.no_write and not args.families:

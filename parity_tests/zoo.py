@@ -198,6 +198,11 @@ FAMILY = {
     ),  # attention reads both unconditionally
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1),  # defaults None
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),  # default layer_types None
+    # attention soft-capping at the scale of these weights' scores (0.04): capped, not linear (at
+    # its default of 50 the cap is the identity here, and torch_impl.attention's form of it rounds
+    # to a few u of the cap, far more than of the score)
+    "gemma2": dict(attn_logit_softcapping=0.02),
+    "vaultgemma": dict(attn_logit_softcapping=0.02),
     # chunked and NoPE layers; the NoPE layer's query scale steps every 4 rows (its default: 8192)
     "llama4_text": dict(no_rope_layers=[1, 0], floor_scale=4),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=WINDOW),

@@ -18,8 +18,11 @@ attention implementation (`config._attn_implementation = "cp_transport"`, throug
 |                                         | padding mask: gather_metadata | the keys up to its own,   |
 | sliding-window attention, window W      | K, V: gather_halo(W - 1);     | queries at r*L, keys at   |
 | (a query sees W keys, itself included)  | padding mask: gather_halo     | their global rows         |
+| chunked attention, chunk C (Llama 4)    | K, V, padding mask: each      | torch_impl.attention with |
+|                                         | chunk's reach back to its     | the attention chunks as   |
+|                                         | attention chunk's start       | documents                 |
 | causal depthwise short conv, kernel K   | input, padding mask:          | the module's own forward; |
-| (LFM2's `Lfm2ShortConv`)                | gather_halo(K - 1)            | the halo's outputs dropped|
+| (LFM2's, LFM3's short convs)            | gather_halo(K - 1)            | the halo's outputs dropped|
 | DeepSeek Sparse Attention (DeepSeek     | MLA latents and indexer keys  | the model's own indexer,  |
 | V3.2, GLM-5: `indexed_attention`)       | of the causal prefix:         | blocked; sparse_mla_      |
 |                                         | gather_halo((n-1)*L)          | attention (absorbed MLA)  |
@@ -27,16 +30,21 @@ attention implementation (`config._attn_implementation = "cp_transport"`, throug
 
 The model decides which layers slide: its mask factory (`create_sliding_window_causal_mask`) calls
 this implementation's mask function with the window, which returns a `LocalMask` that the model
-routes to those layers. The math is `torch_impl.attention.causal_attention` (fused kernels, no
+routes to those layers, carrying the forward's `Context` (packed documents, attention chunks) that
+the pre-hook on the module receiving the inputs made (`inputs`: also the positions the model would
+make over the whole sequence, and the refusal of non-text inputs; a multimodal model's encoders
+are left alone). The math is `torch_impl.attention.causal_attention` (fused kernels, no
 [L, T] mask; Gemma 2's soft-capping and GPT-OSS's sinks included), except attention dropout in
 train mode, which it does not apply: such calls keep the model's own mask and attention functions
 (`sdpa`, or its module's `eager_attention_forward`) on a dense [L, T] mask. Packed sequences
 (position_ids that restart, no attention_mask, no cache: when transformers isolates the documents)
 add document ids,
 made once per forward from the gathered positions. Whatever this cannot make exact raises
-`ValueError`: at `parallelize` (recurrent layers, cross or bidirectional attention, chunked
-attention, unknown sequence convolutions, flash/flex kernels), or at the first call (a KV cache
-past the first step, custom mask overlays, a 4-D mask).
+`ValueError`: at `parallelize` (recurrent layers, cross or bidirectional attention, attention
+outside transformers' AttentionInterface or editing its own mask, unknown sequence convolutions,
+flash/flex kernels), or at the first call (a KV cache past the first step, custom mask overlays,
+a 4-D mask, non-text inputs). Which families are exact and which are refused, and why:
+docs/models.md (`make models`).
 
 Modules: `parallelize` (the checks and the plan), one per layer kind (`attention`: full and
 sliding; `short_conv`; `indexed`: DeepSeek Sparse Attention), `inputs` (`shard_batch` and the base
