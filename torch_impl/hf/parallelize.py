@@ -33,16 +33,12 @@ RECURRENT = re.compile(
 REFUSED_ATTENTION = {
     "DogeAttention": "computes its mask itself, a top-k over every key of the 4-D attention mask",
 }
+RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "mamba2", "recurrent")
+RECURRENCE = "carries recurrent state along the sequence, which CP cannot split exactly"
 # model types whose position_ids default to a count of real tokens (their learned position embeddings)
 MASK_COUNT_POSITIONS = ("opt",)
 TOWERS = re.compile(r"vision|audio|image|video|speech|visual|vq")  # sub-configs of non-text encoders
 log = logging.getLogger("torch_impl.hf")
-
-
-RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "mamba2", "recurrent")
-
-
-RECURRENCE = "carries recurrent state along the sequence, which CP cannot split exactly"
 
 
 def _unsupported(layer_types):
@@ -165,17 +161,18 @@ def _towers(model):
         config = configs.pop()
         for key in getattr(config, "sub_configs", None) or {}:
             sub = getattr(config, key, None)
-            if isinstance(sub, PreTrainedConfig):
-                (found.add(id(sub)) if TOWERS.search(key) else configs.append(sub))
+            if isinstance(sub, PreTrainedConfig) and TOWERS.search(key):
+                found.add(id(sub))
+            elif isinstance(sub, PreTrainedConfig):
+                configs.append(sub)
     return found
 
 
-def _plan(model, group, layout, dense=False):
+def _plan(model, decoder, group, layout, dense=False):
     """(attention modules with their plans, short convs): every token-mixing module, or ValueError."""
     if not type(model)._can_set_attn_implementation():
         raise _refuse("", model, "does not route its attention through transformers' AttentionInterface")
     attentions, convs, skipped, towers = [], {}, [], _towers(model)
-    text = _decoder(model).config  # the config whose attention implementation parallelize switches
     for name, module in model.named_modules():
         if any(name.startswith(f"{outer}.") for outer in [*convs, *skipped]):
             continue  # inside a short conv, which is handled whole, or inside a non-text encoder
@@ -183,7 +180,7 @@ def _plan(model, group, layout, dense=False):
             skipped.append(name)
             continue
         kind = _kind(name, module)
-        if kind == "attention" and module.config is not text:
+        if kind == "attention" and module.config is not decoder.config:  # the one parallelize switches
             raise _refuse(name, module, "reads an attention config other than its language model's")
         if kind == "attention":
             attentions.append((module, _attention_plan(name, module, group, layout, dense)))
@@ -193,9 +190,10 @@ def _plan(model, group, layout, dense=False):
     return attentions, list(convs.values())
 
 
-def apply_attention(model, attentions):
-    """Every attention module gets its plan; the model switches to the registered implementation.
-    Returns which math each layer kind takes."""
+def apply_attention(decoder, attentions):
+    """Every attention module gets its plan; the language model switches to the registered
+    implementation (its own config: its encoders keep theirs). Returns which math each layer kind
+    takes."""
     paths = {}
     for module, plan in attentions:
         module.context_parallel = plan
@@ -209,23 +207,24 @@ def apply_attention(model, attentions):
             mix(module, AbsorbedMLA)
             if module.indexer is not None:
                 mix(module.indexer, BlockedIndexer)
-    decoder = _decoder(model)  # the text model's own config; its sub-configs and encoders keep theirs
-    (decoder if isinstance(decoder, PreTrainedModel) else model).set_attn_implementation({"": IMPLEMENTATION})
+    decoder.set_attn_implementation({"": IMPLEMENTATION})
     return paths
 
 
 def _decoder(model):
     """The language model: the innermost module around the input embeddings whose forward takes an
     attention_mask and position_ids (a multimodal model's text model; OPT's decoder, which its
-    causal LM calls directly; Llama 4's text model)."""
+    causal LM calls directly; Llama 4's text model); ValueError where it is no PreTrainedModel."""
     embeddings = model.get_input_embeddings()
     name = next(name for name, module in model.named_modules() if module is embeddings)
     parts = name.split(".")[:-1]
     for depth in range(len(parts), -1, -1):
         module = model.get_submodule(".".join(parts[:depth]))
         if {"attention_mask", "position_ids"} <= set(inspect.signature(module.forward).parameters):
-            return module
-    return model.base_model
+            break
+    if not isinstance(module, PreTrainedModel):
+        raise _refuse("", model, "has no language model taking an attention_mask and position_ids")
+    return module
 
 
 def _positions(model, decoder):
@@ -238,26 +237,23 @@ def _positions(model, decoder):
     return Positions()
 
 
-def _hooked(model):
+def _hooked(model, decoder):
     """The modules whose pre-hook prepares the model's inputs, outer first: its base model and its
     decoder (OPT's causal LM calls the decoder directly); ValueError for one without position_ids."""
-    hooked = list(dict.fromkeys([model.base_model, _decoder(model)]))
+    hooked = list(dict.fromkeys([model.base_model, decoder]))
     for module in hooked:
         if "position_ids" not in inspect.signature(module.forward).parameters:
             raise _refuse("", module, "takes no position_ids, so it cannot be given its global positions")
     return hooked
 
 
-def apply_inputs(model, group, validate, layout="contiguous"):
+def apply_inputs(model, decoder, hooked, group, validate, layout="contiguous"):
     """The model's inputs (global positions, documents, attention chunks, indexed_attention's
     context, the refusal of a filled KV cache or of non-text inputs, and (validate) the cross-rank
-    check), prepared by a pre-hook on its base model and on its decoder (the first to run does it)."""
-    decoder = _decoder(model)
-    config = decoder.config
-    indexed = INDEXED in (getattr(config, "layer_types", None) or ())
-    chunk = getattr(config, "attention_chunk_size", None)
+    check), prepared by a pre-hook on each hooked module (the first to run in a forward does it)."""
+    indexed = INDEXED in (getattr(decoder.config, "layer_types", None) or ())
+    chunk = getattr(decoder.config, "attention_chunk_size", None)
     positions = _positions(model, decoder)
-    hooked = _hooked(model)
     isolates = next((i for m in hooked if (i := isolates_documents(type(m))) is not None), None)
     for module in hooked:
         hook = ModelInputs(module, id(model), group, indexed, validate, layout, positions, chunk, isolates)
@@ -297,12 +293,13 @@ def parallelize(model, group, *, layout="contiguous", validate=True, verbose=Tru
     check_layout(layout)
     if _group.world_size(group) == 1:
         return model
-    if _decoder(model).config._attn_implementation == IMPLEMENTATION:
+    decoder = _decoder(model)
+    if decoder.config._attn_implementation == IMPLEMENTATION:
         raise _refuse("", model, "is already context-parallel")
-    attentions, convs = _plan(model, group, layout, dense)
-    _hooked(model)
-    apply_inputs(model, group, validate, layout)
-    paths = apply_attention(model, attentions) | apply_short_conv(convs, group, layout)
+    attentions, convs = _plan(model, decoder, group, layout, dense)
+    hooked = _hooked(model, decoder)
+    apply_inputs(model, decoder, hooked, group, validate, layout)
+    paths = apply_attention(decoder, attentions) | apply_short_conv(convs, group, layout)
     model.cp_transport_paths = paths
     summary = (
         f"torch_impl.hf.parallelize: {type(model).__name__} over {_group.world_size(group)} CP ranks; "
