@@ -29,6 +29,13 @@ MISMATCHES = {
         {"halo_size": 3},
     ),
     "halo_size": lambda r: ("gather_halo", _rank_input(r), {"halo_size": 5 if r == 2 else 3}),
+    # one halo per chunk, as many on every rank, one value differs (without the check: gloo aborts
+    # on a message of the wrong size)
+    "per_chunk_halo_sizes": lambda r: (
+        "gather_halo",
+        _rank_input(r),
+        {"halo_size": (0, 3, 3, 2 if r == 2 else 3)},
+    ),
     "function": lambda r: ("gather_metadata" if r == 2 else "gather_sequence", _rank_input(r), {}),
     "bad_local_argument": lambda r: ("gather_halo", _rank_input(r), {"halo_size": -1 if r == 1 else 3}),
 }

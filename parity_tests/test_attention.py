@@ -52,6 +52,8 @@ CASES = [
     (24, 20, 21, 2, 4, 2, True, True),
     (24, 20, 21, 2, 4, 2, False, True),
     (17, 0, 5, 2, 2, 1, True, True),  # L not a multiple of the tile size
+    (24, 72, None, 2, 4, 2, "returning", False),  # a document's ids that come back after another's
+    (24, 20, 21, 2, 4, 2, "returning", True),
 ]
 
 
@@ -98,7 +100,9 @@ def dense_path(q, k, v, q_start, k_start, window, scale, documents, padding):
 
 def make_inputs(L, h, B, H, Hkv, documents, padding, seed=0, dtype=torch.float64):
     """Integer-valued q, k, v in [-3, 3] ([B, H, L, D] and [B, Hkv, T, D], from [B, L, H, D] memory
-    as models lay them out), sorted document ids and a padding mask with 20% padding."""
+    as models lay them out), sorted document ids (documents="returning": row 0's ids alternate in
+    runs of 6, 0 0 0 0 0 0 1 1 1 1 1 1 0 ...: the rule only asks equal ids) and a padding mask with
+    20% padding."""
     gen = torch.Generator().manual_seed(seed)
     T, D = h + L, 8
 
@@ -107,6 +111,8 @@ def make_inputs(L, h, B, H, Hkv, documents, padding, seed=0, dtype=torch.float64
 
     q, k, v = ints(B, L, H, D), ints(B, T, Hkv, D), ints(B, T, Hkv, D)
     docs = torch.randint(0, 4, (B, T), generator=gen).sort(-1).values if documents else None
+    if documents == "returning":
+        docs[0] = torch.arange(T) // 6 % 2
     pad = torch.rand(B, T, generator=gen) > 0.2 if padding else None
     return q, k, v, docs, pad
 

@@ -20,6 +20,7 @@ CULPRIT = {
     "dtype": r"rank 2: gather_sequence of shape \(2, 4, 3\) float64 on cpu",
     "trailing_dims": r"rank 2: gather_halo of shape \(2, 4, 2\) float32 on cpu, halo_size=3",
     "halo_size": r"rank 2: gather_halo of shape \(2, 4, 3\) float32 on cpu, halo_size=5",
+    "per_chunk_halo_sizes": r"rank 2: gather_halo of shape \(2, 4, 3\) float32 on cpu, halo_size=per chunk #",
     "function": r"rank 2: gather_metadata of shape \(2, 4, 3\)",
 }
 
