@@ -104,8 +104,8 @@ MUTATIONS = [
     Mutation(
         "indexed_attention_drops_the_padding",
         "torch_impl/hf/inputs.py",
-        "padding = gather_metadata(padding.bool(), self.group, layout=self.layout)  # [B, S]",
-        "padding = None  # [B, S]",
+        "context = IndexedContext(self.group, L, padded, documents, self.layout)",
+        "context = IndexedContext(self.group, L, None, documents, self.layout)",
         ("parity_tests/test_hf_indexed.py", "-k", "indexed_attention_with_left_padding and deepseek"),
     ),
 ]
@@ -115,8 +115,8 @@ MUTATIONS += [
     Mutation(  # packed rows' layers fetch their whole window or prefix: exact, but more bytes
         "packed_rows_ignore_the_documents_reach",
         "torch_impl/hf/inputs.py",
-        "reach = None if torch.compiler.is_compiling() else document_reach(ids, C)",
-        "reach = None",
+        "documents = Documents(ids, _reach(ids, C))",
+        "documents = Documents(ids, None)",
         ("parity_tests/test_hf.py", "-k", "packed_rows_move_only"),
     ),
     Mutation(
@@ -129,7 +129,7 @@ MUTATIONS += [
     Mutation(
         "documents_isolated_where_one_process_does_not",
         "torch_impl/hf/inputs.py",
-        "if packed and isolates_documents(type(module)) is not False:",
+        "if packed and self.isolates:",
         "if packed:",
         ("parity_tests/test_hf.py", "-k", "packed_sequences_equal and gpt_oss"),
     ),
@@ -245,13 +245,6 @@ MUTATIONS += [
         "out[..., :Dv]",
         "out[..., width - Dv :]",
         ("parity_tests/test_models.py", "-k", "family_equals and deepseek_v3"),
-    ),
-    Mutation(  # documents isolated in a model that does not isolate them (RoBERTa's masks)
-        "documents_isolated_where_the_model_does_not",
-        "torch_impl/hf/inputs.py",
-        "if packed and self.isolates:",
-        "if packed and self.isolates is not None:",
-        ("parity_tests/test_models.py", "-k", "family_equals and roberta"),
     ),
 ]
 
