@@ -14,27 +14,15 @@ comparisons measure the transport.
 """
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from torch_impl import gather_metadata, gather_sequence
-from torch_impl.hf.attention import Keys, attend_windows, check_call, local_mask
+from torch_impl import gather_sequence
+from torch_impl.hf.attention import attend_chunks, check_call, local_mask
 from torch_impl.hf.indexed import AbsorbedMLA, IndexedContext
-from torch_impl.layout import ShardPlan
 
 IMPLEMENTATION = "cp_allgather"
-
-
-def fetch_keys(group, shard, key, value, padding, window):
-    """torch_impl.hf.attention.fetch_keys's Keys, from all-gathers of the whole K and V in every
-    layer: each chunk attends over the rows [first_key, end) of the gathered sequence."""
-    key = gather_sequence(key.transpose(1, 2), group).transpose(1, 2)  # [B, Hkv, S, D]
-    value = gather_sequence(value.transpose(1, 2), group).transpose(1, 2)  # [B, Hkv, S, D]
-    padding = None if padding is None else gather_metadata(padding, group)  # [B, S]
-    reach = None if window is None else window - 1
-    return Keys(key, value, padding, tuple((w, w.keys) for w in shard.windows(reach)))
 
 
 def indexed_attention(module, query, key, value, context, indices=None, scaling=None, **kwargs):
@@ -57,6 +45,9 @@ def indexed_attention(module, query, key, value, context, indices=None, scaling=
 
 
 def attention(module, query, key, value, attention_mask, **kwargs):
+    """torch_impl.hf.attention.attention, but K and V each all-gathered whole in every layer: each
+    chunk attends over the rows [first_key, end) of the gathered sequence, with the padding and
+    documents the library's mask function made for its kind of layer."""
     layout = getattr(getattr(module, "context_parallel", None), "layout", "contiguous")
     if layout != "contiguous":
         raise ValueError(
@@ -65,13 +56,11 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     check_call(module, attention_mask)
     if isinstance(attention_mask, IndexedContext):
         return indexed_attention(module, query, key, value, attention_mask, **kwargs)
-    padding, window, chunked, context = attention_mask
-    documents = context.chunks if chunked else context.documents
-    documents = None if documents is None else documents.ids  # every key is gathered either way
-    group = module.context_parallel.group
-    shard = ShardPlan.of("contiguous", dist.get_world_size(group), dist.get_rank(group), query.shape[2])
-    keys = fetch_keys(group, shard, key, value, padding, window)
-    return attend_windows(module, query, keys, documents, window, **kwargs)
+    group = attention_mask.context.group
+    key = gather_sequence(key.transpose(1, 2), group).transpose(1, 2)  # [B, Hkv, S, D]
+    value = gather_sequence(value.transpose(1, 2), group).transpose(1, 2)  # [B, Hkv, S, D]
+    chunks = tuple(keys._replace(rows=keys.chunk.keys) for keys in attention_mask.chunks)
+    return attend_chunks(module, query, key, value, attention_mask._replace(chunks=chunks), **kwargs)
 
 
 AttentionInterface.register(IMPLEMENTATION, attention)

@@ -28,7 +28,7 @@ def cp_step(
     parameter's grad (this rank's partial sum), which math each
     attention layer took (`paths`: None for torch_impl.attention, else why it kept the dense mask)
     and how many calls reached torch_impl.attention, and in eval mode the bytes received per
-    (direction, layer) and dtype, counted at the c10d calls.
+    (direction, layer) and dtype, counted at the c10d calls, and the calls per (direction, layer).
     """
     model = hf_models.build(name, getattr(torch, dtype))
     model.load_state_dict(state)
@@ -56,8 +56,11 @@ def cp_step(
     ):
         out = model(**local)
         out.loss.backward()
-    received = {}
-    for call in counter.log:  # padding masks travel as bool (halos) or as their bytes (gathers)
+    received, calls = {}, {}
+    for call in counter.log:
+        calls[call.tag] = (
+            calls.get(call.tag, 0) + 1
+        )  # padding masks travel as bool (halos) or as their bytes (gathers)
         dtype = "mask" if call.dtype in (torch.bool, torch.uint8) else str(call.dtype).removeprefix("torch.")
         key = (*call.tag, dtype)
         received[key] = received.get(key, 0) + call.received
@@ -68,9 +71,27 @@ def cp_step(
         "loss": out.loss.detach(),
         "grads": grads,
         "received": received,
+        "calls": calls,
         "paths": paths,
         "fused_calls": fused.calls,
     }
+
+
+def exchange_calls(group, L, layout):
+    """{reach: {"forward": c10d calls, "backward": c10d calls}} of one [2, L, 8] float64 tensor's
+    exchange on this rank: gather_sequence (reach None) and gather_halo of hf_models' windows."""
+    out = {}
+    for reach in (None, 9, 13):
+        x = torch.zeros(2, L, 8, dtype=torch.float64, requires_grad=True)
+        counter = PayloadCounter()
+        with counter:
+            counter.tag = "forward"
+            y = torch_impl.gather_sequence(x, group, layout=layout) if reach is None else None
+            y = torch_impl.gather_halo(x, group, reach, layout=layout) if y is None else y
+            counter.tag = "backward"
+            y.sum().backward()
+        out[reach] = {d: sum(call.tag == d for call in counter.log) for d in ("forward", "backward")}
+    return out
 
 
 def dropout_calls(group, batch):
@@ -205,7 +226,11 @@ def inputs_check_traffic(group, name, state, batch, validate):
     tag_layers(counter, model.model.layers)
     with counter:
         logits = model(**hf.shard_batch(batch, group)).logits
-    before = [(call.op, call.received) for call in counter.log if call.tag is None]
+    before = [
+        (call.op, str(call.dtype).removeprefix("torch."), call.received)
+        for call in counter.log
+        if call.tag is None
+    ]
     return before, logits.detach(), model.cp_transport_paths
 
 
@@ -328,3 +353,18 @@ def data_parallel_grads(group, name, state, batch, dp, wrap, global_num_items):
     for key, p in model.named_parameters():
         grads[key] = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
     return grads
+
+
+def host_reads(group, name, state, batch, validate, layout="contiguous"):
+    """Where one forward and backward of the CP model (train mode) read tensor values on the host
+    (cp_support.syncs.HostReads): the library's reads (file:line each) and how many the model made."""
+    from cp_support.syncs import HostReads
+
+    model = hf_models.build(name)
+    model.load_state_dict(state)
+    model.train()
+    hf.parallelize(model, group, layout=layout, validate=validate, verbose=False)
+    local = hf.shard_batch(batch, group, layout=layout)
+    with HostReads() as reads:
+        model(**local).loss.backward()
+    return reads.library, reads.others

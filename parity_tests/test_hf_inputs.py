@@ -12,6 +12,7 @@ from parity_tests.hf_reference import (
     check_bytes,
     hf_bounds,
     layer_kinds,
+    packed_reference,
     reference,
     run_reference,
 )
@@ -26,12 +27,17 @@ def halo_tokens(dst, halo_size, L):
     return range(dst * L - min(dst * L, halo_size), dst * L)
 
 
+def received_tokens(kind, size, r, n, L):
+    """How many earlier tokens rank r's layer of this kind reads from its peers."""
+    return (n - 1) * L if kind == "full" else len(halo_tokens(r, size - 1, L))
+
+
 def minimum_bytes(kind, size, r, n, L, B, config, item):
     """{(direction, dtype): bytes} rank r must receive for one layer: the analytic minimum.
 
-    Attention: K and V, each over (n-1)*L tokens (full) or its halo of min(r*L, W-1) tokens
-    (sliding); forward also the padding mask over the same tokens (1 byte each). Conv: its
-    input over its halo of min(r*L, K-1) tokens, and forward its padding mask. Backward a rank
+    Attention: K and V, over (n-1)*L tokens (full) or its halo of min(r*L, W-1) tokens (sliding);
+    their padding mask arrives once per forward for every layer of a kind (`mask_bytes`). Conv:
+    its input over its halo of min(r*L, K-1) tokens, and forward its padding mask. Backward a rank
     receives the gradients of what it sent: (n-1)*L tokens (full) or its own tokens in later
     ranks' halos.
     """
@@ -39,18 +45,25 @@ def minimum_bytes(kind, size, r, n, L, B, config, item):
         per_token = config.hidden_size * item
     else:
         per_token = 2 * config.num_key_value_heads * config.head_dim * item
+    received = received_tokens(kind, size, r, n, L)
     if kind == "full":
-        received = sent = (n - 1) * L
+        sent = (n - 1) * L
     else:
-        received = len(halo_tokens(r, size - 1, L))
         sent = sum(r * L <= t < (r + 1) * L for dst in range(r + 1, n) for t in halo_tokens(dst, size - 1, L))
     dtype = "float64" if item == 8 else "float32"
     wanted = {
         ("forward", dtype): B * received * per_token,
-        ("forward", "mask"): B * received,
+        ("forward", "mask"): B * received if kind == "conv" else 0,
         ("backward", dtype): B * sent * per_token,
     }
     return {key: value for key, value in wanted.items() if value}
+
+
+def mask_bytes(config, r, n, L, B):
+    """The padding mask's bytes rank r receives before the first layer: once per kind of attention
+    layer (a bool a token), the tokens that kind reads."""
+    kinds = {(kind, size) for kind, size in layer_kinds(config) if kind != "conv"}
+    return sum(B * received_tokens(kind, size, r, n, L) for kind, size in kinds)
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -65,6 +78,27 @@ def test_bytes_per_layer_are_the_analytic_minimum(pool, name, n):
             for index, (kind, size) in enumerate(layer_kinds(config)):
                 got = {(d, dtype): v for (d, i, dtype), v in res["received"].items() if i == index and v}
                 assert got == minimum_bytes(kind, size, r, n, L, 2, config, 8), (index, kind, r)
+            got = res["received"].get(("forward", "inputs", "mask"), 0)
+            assert got == mask_bytes(config, r, n, L, 2), (r, got)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "head_tail"])
+def test_k_and_v_travel_in_one_exchange(pool, layout):
+    """Gemma 3 on 4 ranks (sliding layers reaching two ranks back, a full one): each attention
+    layer makes, forward and backward, the c10d calls of one tensor's exchange of its reach
+    (gather_sequence or gather_halo, counted alone on the same ranks), not two; its padding
+    mask made no call in the layer."""
+    n = 4
+    state, batch, *_ = reference("gemma3", "float64")
+    config = hf_models.build("gemma3").config
+    args = ("gemma3", "float64", state, batch, "eval", layout)
+    (group_results,) = pool.run(("first", n), hf_cases.cp_step, *args)
+    (alone,) = pool.run(("first", n), hf_cases.exchange_calls, hf_models.SEQ_LEN // n, layout)
+    for r, res in enumerate(group_results):
+        for index, (kind, size) in enumerate(layer_kinds(config)):
+            one = alone[r][None if kind == "full" else size - 1]
+            for direction in ("forward", "backward"):
+                assert res["calls"].get((direction, index), 0) == one[direction], (r, index, direction)
 
 
 def test_documents_are_isolated_where_the_model_isolates_them():
@@ -186,7 +220,8 @@ def test_ranks_given_different_inputs_raise_on_every_rank(pool, case, rank_0):
 
 def test_the_inputs_check_is_one_small_collective_and_can_be_turned_off(pool):
     """validate=True (the default): one all-gather of 9 int64s before the first layer, and the same
-    logits as validate=False, which makes no collective there. The paths are kept on the model."""
+    logits as validate=False, which makes no int64 collective there (the padding mask travels
+    there either way, once per kind of layer, as bool). The paths are kept on the model."""
     state, batch, *_ = reference("gemma3", "float64")
     n = 2
     runs = {
@@ -195,7 +230,9 @@ def test_the_inputs_check_is_one_small_collective_and_can_be_turned_off(pool):
     }
     for checked, unchecked in zip(runs[True], runs[False], strict=True):
         for (before, logits, paths), (before_off, logits_off, _) in zip(checked, unchecked, strict=True):
-            assert before == [("_allgather_base_", check_bytes(n))] and before_off == []
+            checks = [call for call in before if call[1] == "int64"]
+            assert checks == [("_allgather_base_", "int64", check_bytes(n))], before
+            assert [call for call in before if call[1] != "int64"] == before_off, (before, before_off)
             assert torch.equal(logits, logits_off)
             assert paths == {
                 "sliding_attention": "torch_impl.attention",
@@ -262,3 +299,22 @@ def test_the_core_imports_without_the_optional_extras():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "hf: transformers is not installed", out.stdout
+
+
+@pytest.mark.parametrize(
+    "name,packed,validate,sites",
+    [
+        ("llama", False, False, []),
+        ("llama", False, True, ["torch_impl/validation.py"]),  # the inputs check's all-gather
+        ("gemma3", True, False, ["torch_impl/hf/inputs.py"]),  # the documents' reach
+        ("gemma3", True, True, ["torch_impl/validation.py", "torch_impl/hf/inputs.py"]),
+    ],
+)
+def test_host_reads_per_forward(pool, name, packed, validate, sites):
+    """One forward and backward (train mode, both layouts' worth of chunks: head_tail) reads tensor
+    values on the host only where the inputs check or packed documents need it, once each, before
+    the first layer; no layer reads any (on a GPU each read would wait for the stream)."""
+    ref = packed_reference(name) if packed else reference(name, "float64")
+    args = (name, ref.state, ref.batch, validate, "head_tail")
+    for library, _ in pool.run(("first", 2), hf_cases.host_reads, *args)[0]:
+        assert [site.split(":")[0] for site in library] == sites, library

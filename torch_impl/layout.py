@@ -141,9 +141,23 @@ def document_reach(documents, chunk_len):
     """
     if documents.shape[1] > 1 and bool((documents[:, 1:] < documents[:, :-1]).any()):
         raise ValueError("`documents` must be non-decreasing along each row (each document one run of ids)")
+    return tuple(reach_of(documents, chunk_len).tolist())
+
+
+def reach_of(documents, chunk_len):
+    """document_reach's values as an int64 tensor [chunks] on the documents' device (no host read;
+    the documents are runs of ids, unchecked)."""
     firsts = document_starts(documents)[:, ::chunk_len]  # [B, chunks]: at each chunk's first row
     starts = torch.arange(0, documents.shape[1], chunk_len, device=documents.device)  # [chunks]
-    return tuple((starts - firsts).amax(dim=0).tolist())
+    return (starts - firsts).amax(dim=0)
+
+
+def packed_ids(positions):
+    """int64 [B, S]: the document of every token of packed rows, from their positions [B, S] in
+    global order, numbered as transformers' find_packed_sequence_indices numbers them: a new
+    document wherever a position is not its predecessor's plus one (no host read)."""
+    first = positions[:, :1] - 1  # [B, 1]: as if a token before the first
+    return (torch.diff(positions, prepend=first, dim=-1) != 1).cumsum(dim=-1)
 
 
 class Documents(NamedTuple):

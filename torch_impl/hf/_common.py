@@ -5,18 +5,23 @@ arguments by name in hooks."""
 import inspect
 from typing import NamedTuple
 
+from torch_impl.layout import Documents, ShardPlan
+
 IMPLEMENTATION = "cp_transport"
 INDEXED = "indexed_attention"  # DeepSeek Sparse Attention (DeepSeek V3.2, GLM-5): MLA + an indexer's top-k
 
 
 class Context(NamedTuple):
-    """What one forward's attention layers read besides their own tensors, made once by the model's
-    pre-hook (torch_impl.hf.inputs) and held in RUNNING while the model runs; the mask function
-    puts it in the mask it makes, which transformers hands every attention layer."""
+    """One forward of a parallelized model on this rank, made once by its pre-hook
+    (torch_impl.hf.inputs) and held in RUNNING while the model runs: the mask function reads it
+    and puts what each kind of layer needs in the mask it makes, which transformers hands every
+    attention layer of that kind."""
 
-    owner: int  # which parallelized model made it (the id of its hooks' shared state)
-    documents: object  # packed rows' torch_impl.layout.Documents, or None
-    chunks: object  # chunked-attention layers' Documents (attention chunks within documents), or None
+    owner: int  # which parallelized model made it (the model's id)
+    group: object  # the CP ProcessGroup
+    shard: ShardPlan  # which global rows this rank holds
+    documents: Documents | None  # packed rows' documents, by global row
+    chunks: Documents | None  # chunked-attention layers' attention chunks (within documents)
 
 
 class Running:

@@ -24,23 +24,35 @@ from transformers.masking_utils import (
     sliding_window_causal_mask_function,
 )
 
-from torch_impl import _group
 from torch_impl.attention import causal_attention
 from torch_impl.halo import gather_halo
 from torch_impl.hf._common import IMPLEMENTATION, RUNNING, Context
 from torch_impl.hf.indexed import IndexedContext, indexed_attention
-from torch_impl.layout import ShardPlan
+from torch_impl.layout import Window
 from torch_impl.metadata import gather_metadata
 from torch_impl.sequence import gather_sequence
 
 
-class LocalMask(NamedTuple):
-    """What this implementation's mask function hands the model to route to its attention layers."""
+class ChunkKeys(NamedTuple):
+    """One local chunk's keys for a kind of layer: its ShardPlan Window (queries at global rows
+    [start, end), keys at [first_key, end)), those keys' rows in what `fetch_kv` returns, and
+    their padding (bool [B, T], True: a token) and document ids (int [B, T]), or None."""
 
-    padding: torch.Tensor | None  # bool [B, L]: this rank's 2-D padding mask (True: a token), or None
-    window: int | None  # sliding window W (a query sees W keys, itself included); None: full causal
-    chunked: bool  # chunked attention (Llama 4): keys of the query's attention chunk only
+    chunk: Window
+    rows: slice
+    padding: torch.Tensor | None
+    documents: torch.Tensor | None
+
+
+class LocalMask(NamedTuple):
+    """What this implementation's mask function makes once per forward for each kind of layer, and
+    the model routes to those layers: how far back their keys reach, and per local chunk which keys
+    its queries see. The padding mask travels here, once per kind, not in every layer."""
+
     context: Context  # the forward's, from the model's pre-hook
+    window: int | None  # sliding window W (a query sees W keys, itself included); None: none
+    reach: int | tuple | None  # ShardPlan.windows' reach: None the causal prefix, else per chunk
+    chunks: tuple  # ChunkKeys per local chunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,54 +119,75 @@ def local_mask(
     chunked = local_size is not None and local_size == getattr(
         kwargs.get("config"), "attention_chunk_size", None
     )
-    return LocalMask(attention_mask, None if chunked else local_size, chunked, context)
+    window = None if chunked else local_size
+    documents = context.chunks if chunked else context.documents
+    return make_mask(context, attention_mask, window, documents)
 
 
-class Keys(NamedTuple):
-    """What a rank fetched for one attention layer, in the transport's order, and per local chunk
-    the Window it attends over and that window's rows in these tensors."""
-
-    key: torch.Tensor  # [B, Hkv, T, D]
-    value: torch.Tensor  # [B, Hkv, T, D]
-    padding: torch.Tensor | None  # bool [B, T]: True for a token
-    windows: tuple  # per local chunk: (ShardPlan Window, slice of its keys' rows in key/value/padding)
-
-
-def fetch_keys(group, shard, key, value, padding, window, documents=None):
-    """This rank's keys, values and padding mask for a layer (key/value [B, Hkv, L, D], padding bool
-    [B, L] or None): full attention (window None) gathers the sequence in global order, and each
-    chunk attends over its rows [0, end); a window W fetches gather_halo(W - 1), one segment per
-    chunk (its min(start, W - 1) tokens before it, then the chunk), the chunk's keys. With packed
-    documents (torch_impl.layout.Documents) both fetch gather_halo of each chunk's reach instead:
-    nothing before the start of the document that holds the chunk's first token."""
-    layout = shard.layout
+def make_mask(context, padding, window, documents):
+    """The LocalMask of one kind of layer: the keys' reach (a window W: W - 1; full: the causal
+    prefix; documents: back to the start of the document holding each chunk's first token, which
+    inside torch.compile is not read: no graph per batch) and, fetched the same way as the layers
+    will fetch K and V, the padding mask (padding: bool-able [B, L], or None)."""
+    shard, group = context.shard, context.group
     reach = None if window is None else window - 1
-    if documents is not None and not torch.compiler.is_compiling():  # compiled: no graph per batch
+    if documents is not None and documents.reach is not None:
         reach = documents.layer_reach(window)
+    if padding is not None:
+        padding = padding.bool()
+        if reach is None:
+            padding = gather_metadata(padding, group, layout=shard.layout)  # [B, S]
+        else:
+            padding = gather_halo(padding, group, reach, layout=shard.layout)  # [B, sum_k (h_k + C)]
+    chunks = tuple(
+        ChunkKeys(
+            w,
+            rows,
+            None if padding is None else padding[:, rows],  # [B, T]
+            None if documents is None else documents.ids[:, w.keys],  # [B, T]
+        )
+        for w, rows in _key_rows(shard, reach)
+    )
+    return LocalMask(context, window, reach, chunks)
 
-    def seq(t):  # [B, Hkv, L, D] -> [B, L, Hkv, D], the sequence on dim 1 as the transport takes it
-        return t.transpose(1, 2)
 
+def _key_rows(shard, reach):
+    """Per local chunk (Window, its keys' rows in what a fetch of this reach returns): the gathered
+    sequence's rows [first_key, end), or gather_halo's segment."""
     if reach is None:
-        key = seq(gather_sequence(seq(key), group, layout=layout))  # [B, Hkv, S, D]
-        value = seq(gather_sequence(seq(value), group, layout=layout))  # [B, Hkv, S, D]
-        padding = None if padding is None else gather_metadata(padding, group, layout=layout)  # [B, S]
-        return Keys(key, value, padding, tuple((w, w.keys) for w in shard.windows()))
-    key = seq(gather_halo(seq(key), group, reach, layout=layout))  # [B, Hkv, sum_k (h_k + C), D]
-    value = seq(gather_halo(seq(value), group, reach, layout=layout))
-    padding = None if padding is None else gather_halo(padding, group, reach, layout=layout)
-    return Keys(key, value, padding, tuple((w, w.segment) for w in shard.windows(reach)))
+        return tuple((w, w.keys) for w in shard.windows())
+    return tuple((w, w.segment) for w in shard.windows(reach))
 
 
-def attend(module, query, key, value, padding, documents, w, window, **kwargs):
+def fetch_kv(context, key, value, reach):
+    """This rank's keys and values for a layer of this reach (key [B, Hkv, L, D], value [B, Hkv, L,
+    Dv]), in one exchange: packed side by side into one sequence-major buffer [L, B, Hkv, D + Dv]
+    (the copy the transport makes anyway), then the causal prefix gathered (reach None:
+    gather_sequence, the sequence in global order) or each chunk's reach fetched (gather_halo, one
+    segment per chunk: its tokens before it, then itself), and split back. Backward: the two
+    gradients packed the same way, one reduce-scatter or one set of p2p messages.
+    Returns (key [B, Hkv, T, D], value [B, Hkv, T, Dv])."""
+    shard, group, D = context.shard, context.group, key.shape[-1]
+    packed = torch.cat([key.permute(2, 0, 1, 3), value.permute(2, 0, 1, 3)], dim=-1)  # [L, B, Hkv, D + Dv]
+    packed = packed.transpose(0, 1)  # [B, L, Hkv, D + Dv]: a view the transport takes without a copy
+    if reach is None:
+        packed = gather_sequence(packed, group, layout=shard.layout)  # [B, S, Hkv, D + Dv]
+    else:
+        packed = gather_halo(packed, group, reach, layout=shard.layout)  # [B, T, Hkv, D + Dv]
+    key, value = packed.split([D, packed.shape[-1] - D], dim=-1)  # [B, T, Hkv, D], [B, T, Hkv, Dv]
+    return key.transpose(1, 2), value.transpose(1, 2)
+
+
+def attend(module, query, key, value, keys, window, **kwargs):
     """The math for one chunk's queries (global rows w.start ..) over its keys (from w.first_key):
     torch_impl.attention (with the model's soft-cap and sinks), or the model's own mask and attention
     functions for a layer marked dense and for attention dropout (train mode), which the fused math
     does not apply.
 
-    query: [B, H, C, D]; key/value: [B, Hkv, T, D] and padding (bool [B, T]) for the keys
-    w.first_key .. w.end - 1; documents (int [B, S]) by global row. Returns ([B, C, H, D], weights).
+    query: [B, H, C, D]; key/value: [B, Hkv, T, D] for the keys w.first_key .. w.end - 1, whose
+    padding and documents `keys` (ChunkKeys) holds. Returns ([B, C, H, D], weights).
     """
+    w, padding, documents = keys.chunk, keys.padding, keys.documents
     plan, B, C = module.context_parallel, query.shape[0], query.shape[2]
     if plan.dense is None and not kwargs.get("dropout", 0.0) > 0:
         check_fused_kwargs(module, kwargs)
@@ -166,7 +199,7 @@ def attend(module, query, key, value, padding, documents, w, window, **kwargs):
             w.first_key,
             window=window,
             scale=kwargs.get("scaling"),
-            documents=None if documents is None else documents[:, w.keys],  # [B, T]
+            documents=documents,  # [B, T]
             padding=padding,
             softcap=kwargs.get("softcap"),  # Gemma 2
             sinks=kwargs.get("s_aux"),  # GPT-OSS
@@ -174,6 +207,7 @@ def attend(module, query, key, value, padding, documents, w, window, **kwargs):
         return out.transpose(1, 2).contiguous(), None
     mask_function = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
     if documents is not None:  # by global row, as the mask's q_idx and kv_idx
+        documents = F.pad(documents, (w.first_key, 0))  # [B, end]
         mask_function = and_masks(mask_function, packed_sequence_mask_function(documents))
     padding = None if padding is None else F.pad(padding, (w.first_key, 0))  # [B, end]: by global row
     mask = plan.make_mask(
@@ -225,30 +259,26 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     if isinstance(attention_mask, IndexedContext):
         check_fused_kwargs(module, kwargs)
         return indexed_attention(module, query, key, value, attention_mask, **kwargs)
-    padding, window, chunked, context = attention_mask
-    documents = context.chunks if chunked else context.documents  # Documents, or None
-    plan = module.context_parallel
-    n, r = _group.world_size(plan.group), _group.rank(plan.group)
-    shard = ShardPlan.of(plan.layout, n, r, query.shape[2])
+    plan, shard = module.context_parallel, attention_mask.context.shard
     if plan.query_scale is not None:  # scaled by local rows: rescaled to the global ones
         rows = shard.rows(query.device)  # [L]
         local, wanted = (
             plan.query_scale(t).to(query.dtype) for t in (torch.arange(len(rows), device=query.device), rows)
         )
         query = query / local[:, None] * wanted[:, None]  # [B, H, L, D]
-    keys = fetch_keys(plan.group, shard, key, value, padding, window, documents)
-    ids = None if documents is None else documents.ids
-    return attend_windows(module, query, keys, ids, window, **kwargs)
+    key, value = fetch_kv(attention_mask.context, key, value, attention_mask.reach)  # [B, Hkv, T, D]
+    return attend_chunks(module, query, key, value, attention_mask, **kwargs)
 
 
-def attend_windows(module, query, keys, documents, window, **kwargs):
-    """Every local chunk's queries over its window of `keys`: ([B, L, H, D], None)."""
+def attend_chunks(module, query, key, value, mask, **kwargs):
+    """Every local chunk's queries over its keys (key/value as fetch_kv returns them, or any fetch
+    whose rows the mask's ChunkKeys name): ([B, L, H, D], weights or None)."""
     outs = []
-    for w, rows in keys.windows:
-        padding = None if keys.padding is None else keys.padding[:, rows]  # [B, T]
+    for keys in mask.chunks:
+        rows = keys.rows
         out, weights = attend(
-            module, query[:, :, w.queries], keys.key[:, :, rows], keys.value[:, :, rows], padding, documents,
-            w, window, **kwargs
+            module, query[:, :, keys.chunk.queries], key[:, :, rows], value[:, :, rows], keys, mask.window,
+            **kwargs
         )  # fmt: skip
         outs.append(out)  # [B, C, H, D]
     return (outs[0], weights) if len(outs) == 1 else (torch.cat(outs, dim=1), None)  # [B, L, H, D]

@@ -7,10 +7,8 @@ runs in absorbed form over the latents each query picked (`AbsorbedMLA`, `indexe
 
 import torch
 
-from torch_impl import _group
 from torch_impl.attention import sparse_mla_attention
 from torch_impl.halo import gather_halo
-from torch_impl.layout import ShardPlan
 from torch_impl.sequence import gather_sequence
 
 
@@ -24,9 +22,9 @@ class IndexedContext:
     activations, so checkpointed layers recompute exactly what they computed.
     """
 
-    def __init__(self, group, local_len, padding, documents, layout="contiguous"):
-        self.shard = ShardPlan.of(layout, _group.world_size(group), _group.rank(group), local_len)
-        self.group, self.local_len, self.layout = group, local_len, layout
+    def __init__(self, context, padding):
+        self.shard, self.group, documents = context.shard, context.group, context.documents
+        self.local_len, self.layout = self.shard.local_len, self.shard.layout
         self.rows = self.shard.rows()  # int64 [L]: the queries' global rows
         self.padding = padding  # bool [B, S] by global position, or None
         self.documents = None if documents is None else documents.ids  # int [B, S], or None
@@ -84,7 +82,7 @@ class IndexedContext:
             halo = gather_halo(x, self.group, self.reach, layout=self.layout)  # per chunk: window, chunk
             return halo if keep is None else halo[:, keep.to(x.device)]
         if self.layout == "contiguous":
-            return gather_halo(x, self.group, (_group.world_size(self.group) - 1) * self.local_len)
+            return gather_halo(x, self.group, (self.shard.n - 1) * self.local_len)
         return gather_sequence(x, self.group, layout=self.layout)[:, : self.shard.end]  # a tail needs it all
 
     def positions(self, indices):

@@ -6,23 +6,17 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from transformers.masking_utils import find_packed_sequence_indices
 
 from torch_impl import _group, validation
 from torch_impl.hf._common import IMPLEMENTATION, INDEXED, RUNNING, Arguments, Context
 from torch_impl.hf.indexed import IndexedContext
-from torch_impl.layout import Documents, ShardPlan, document_reach
+from torch_impl.layout import Documents, ShardPlan, packed_ids, reach_of
 from torch_impl.layout import check as check_layout
 from torch_impl.metadata import gather_metadata
 
 IGNORE_INDEX = -100
 BATCH_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
 LAYOUT = "cp_layout"  # the kwarg by which shard_batch names a layout other than contiguous
-
-
-def global_positions(group, local_len, device, layout="contiguous"):
-    """[1, L]: the global positions of this rank's tokens (contiguous: r*L .. (r+1)*L - 1)."""
-    return ShardPlan.of(layout, _group.world_size(group), _group.rank(group), local_len).rows(device)[None]
 
 
 class Positions:
@@ -70,10 +64,10 @@ class MaskCountPositions(Positions):
 def chunk_ids(chunk, padding, documents, positions, B, S, device):
     """int64 [B, S]: runs of equal ids, one per attention chunk of `chunk` tokens, as transformers'
     chunked mask counts them: from each row's first real token (padding: bool [B, S] or None), or
-    in packed rows (documents and their gathered positions [B, S]) from each document's start."""
+    in packed rows (documents' ids and their gathered positions [B, S]) from each document's start."""
     if documents is not None:
         within = torch.div(positions, chunk, rounding_mode="floor")  # [B, S]
-        starts = (within[:, 1:] != within[:, :-1]) | (documents.ids[:, 1:] != documents.ids[:, :-1])
+        starts = (within[:, 1:] != within[:, :-1]) | (documents[:, 1:] != documents[:, :-1])
         return F.pad(starts.long(), (1, 0)).cumsum(dim=1)  # [B, S]
     left = torch.zeros(B, dtype=torch.long, device=device)
     if padding is not None:
@@ -81,10 +75,24 @@ def chunk_ids(chunk, padding, documents, positions, B, S, device):
     return torch.div(torch.arange(S, device=device)[None] - left[:, None], chunk, rounding_mode="floor")
 
 
-def _reach(ids, chunk_len):
-    """document_reach of ids: one host read per forward; None inside torch.compile, where it would
-    recompile for every batch (the layers then take their windows' reach)."""
-    return None if torch.compiler.is_compiling() else document_reach(ids, chunk_len)
+def _documents(documents, chunks, chunk_len):
+    """(Documents or None, Documents or None) from packed rows' ids and attention chunks' ids (int
+    [B, S], or None), with their per-chunk reach, in one host read per forward; packed rows in which
+    no position restarts have no documents (transformers finds none). Inside torch.compile nothing
+    is read (it would recompile for every batch): the ids with reach None (layers then take their
+    windows' reach)."""
+    if torch.compiler.is_compiling():
+        return tuple(None if t is None else Documents(t, None) for t in (documents, chunks))
+    given = [t for t in (documents, chunks) if t is not None]
+    if not given:
+        return None, None
+    restarts = [] if documents is None else [documents[:, -1].amax()[None]]  # [1]: 0 if no row restarts
+    values = torch.cat([reach_of(t, chunk_len) for t in given] + restarts).tolist()  # the one read
+    n = (len(values) - len(restarts)) // len(given)  # chunks
+    reaches = [tuple(values[i * n : (i + 1) * n]) for i in range(len(given))]
+    if documents is not None:
+        documents = Documents(documents, reaches.pop(0)) if values[-1] else None
+    return documents, None if chunks is None else Documents(chunks, reaches.pop(0))
 
 
 TEXT_INPUTS = {  # a hooked forward's parameters a text batch may pass; any other that is set is refused
@@ -169,7 +177,7 @@ class ModelInputs:
         if error:
             raise ValueError(error)
         gather = partial(gather_metadata, group=self.group, layout=self.layout)
-        C = ShardPlan.of(self.layout, _group.world_size(self.group), 0, L).chunk_len
+        shard = ShardPlan.of(self.layout, _group.world_size(self.group), _group.rank(self.group), L)
         documents = everywhere = None
         packed = positions is not None and padding is None and cache is None and not creates_cache
         if packed and self.isolates is None:
@@ -181,25 +189,24 @@ class ModelInputs:
             )
         if packed and self.isolates:  # as one process would
             everywhere = gather(positions.expand(B, -1).contiguous())  # [B, S]
-            ids = find_packed_sequence_indices(everywhere)  # [B, S], or None: no position restarts
-            if ids is not None:
-                documents = Documents(ids, _reach(ids, C))
-        rows = global_positions(self.group, L, tokens.device, self.layout)  # [1, L]
+            documents = packed_ids(everywhere)  # [B, S]
         padded = None  # bool [B, S]: the attention_mask, gathered once where something needs it
         if padding is not None and (self.chunk or self.positions.needs_padding or self.indexed):
             padded = gather(padding.bool())
         if positions is None:
             ids = argument("input_ids") if self.positions.needs_ids else None
+            rows = shard.rows(tokens.device)[None]  # [1, L]: this rank's global rows
             positions = self.positions(rows, None if ids is None else gather(ids), padded)  # [B or 1, L]
         chunks = None
         if self.chunk:
             S = L * _group.world_size(self.group)
-            chunks = chunk_ids(self.chunk, padded, documents, everywhere, B, S, tokens.device)
-            chunks = Documents(chunks, _reach(chunks, C))
+            chunks = chunk_ids(self.chunk, padded, documents, everywhere, B, S, tokens.device)  # [B, S]
+        documents, chunks = _documents(documents, chunks, shard.chunk_len)
+        context = Context(self.owner, self.group, shard, documents, chunks)
         self.outer.append(RUNNING.context)
-        RUNNING.context = Context(self.owner, documents, chunks)
+        RUNNING.context = context
         if self.indexed:
-            context = IndexedContext(self.group, L, padded, documents, self.layout)
+            context = IndexedContext(context, padded)
             return self.arguments.replace(
                 args,
                 kwargs,
