@@ -22,6 +22,7 @@ class Context(NamedTuple):
     shard: ShardPlan  # which global rows this rank holds
     documents: Documents | None  # packed rows' documents, by global row
     chunks: Documents | None  # chunked-attention layers' attention chunks (within documents)
+    kinds: frozenset | None  # the attention layer types the model has; None: any mask it makes
 
 
 class Running:

@@ -52,7 +52,7 @@ class LocalMask(NamedTuple):
     context: Context  # the forward's, from the model's pre-hook
     window: int | None  # sliding window W (a query sees W keys, itself included); None: none
     reach: int | tuple | None  # ShardPlan.windows' reach: None the causal prefix, else per chunk
-    chunks: tuple  # ChunkKeys per local chunk
+    chunks: tuple  # ChunkKeys per local chunk; none for a kind of layer the model does not have
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +120,9 @@ def local_mask(
         kwargs.get("config"), "attention_chunk_size", None
     )
     window = None if chunked else local_size
+    kind = "chunked_attention" if chunked else "full_attention" if window is None else "sliding_attention"
+    if context.kinds is not None and kind not in context.kinds:  # made for the mapping, used by none
+        return LocalMask(context, window, None, ())
     documents = context.chunks if chunked else context.documents
     return make_mask(context, attention_mask, window, documents)
 
@@ -248,6 +251,11 @@ def check_call(module, attention_mask):
         raise ValueError(
             f"`{IMPLEMENTATION}` needs the mask its mask function made (the model's own create_*_mask), "
             f"got {type(attention_mask).__name__}; custom 4-D masks cannot be split across CP ranks"
+        )
+    if isinstance(attention_mask, LocalMask) and not attention_mask.chunks:
+        raise ValueError(
+            f"`{IMPLEMENTATION}`: {type(module).__name__} was given a mask of a kind its config's "
+            "layer_types do not list"
         )
 
 

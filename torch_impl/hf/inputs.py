@@ -137,12 +137,13 @@ class ModelInputs:
       returning inconsistent shards. Skipped inside torch.compile (it reads the result on the host).
     """
 
-    def __init__(self, module, owner, group, indexed, validate, layout, positions, chunk, isolates):
+    def __init__(self, module, owner, group, indexed, validate, layout, positions, chunk, isolates, kinds):
         self.group, self.arguments, self.indexed = group, Arguments(module.forward), indexed
         self.validate, self.layout, self.owner = validate, layout, owner
         self.positions = positions  # the model's own default position_ids (Positions)
         self.chunk = chunk  # chunked attention's chunk size (Llama 4), or None
         self.isolates = isolates  # whether the model isolates packed documents (None: cannot tell)
+        self.kinds = kinds  # the attention layer types the model has (None: not listed)
         self.outer = []  # per forward this hook prepared, innermost last: the Context it replaced
 
     def __call__(self, module, args, kwargs):
@@ -202,7 +203,7 @@ class ModelInputs:
             S = L * _group.world_size(self.group)
             chunks = chunk_ids(self.chunk, padded, documents, everywhere, B, S, tokens.device)  # [B, S]
         documents, chunks = _documents(documents, chunks, shard.chunk_len)
-        context = Context(self.owner, self.group, shard, documents, chunks)
+        context = Context(self.owner, self.group, shard, documents, chunks, self.kinds)
         self.outer.append(RUNNING.context)
         RUNNING.context = context
         if self.indexed:

@@ -255,8 +255,12 @@ def apply_inputs(model, decoder, hooked, group, validate, layout="contiguous"):
     chunk = getattr(decoder.config, "attention_chunk_size", None)
     positions = _positions(model, decoder)
     isolates = next((i for m in hooked if (i := isolates_documents(type(m))) is not None), None)
+    types = getattr(decoder.config, "layer_types", None)
+    kinds = None if not types else frozenset(types)  # a mask of another kind reaches no layer
     for module in hooked:
-        hook = ModelInputs(module, id(model), group, indexed, validate, layout, positions, chunk, isolates)
+        hook = ModelInputs(
+            module, id(model), group, indexed, validate, layout, positions, chunk, isolates, kinds
+        )
         module.register_forward_pre_hook(hook, with_kwargs=True)
         module.register_forward_hook(hook.done, with_kwargs=True, always_call=True)
 
