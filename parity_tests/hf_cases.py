@@ -15,7 +15,16 @@ from torch_impl.hf.indexed import BlockedIndexer
 
 
 def cp_step(
-    group, name, dtype, state, batch, mode="eval", layout="contiguous", query_block=None, dense=False
+    group,
+    name,
+    dtype,
+    state,
+    batch,
+    mode="eval",
+    layout="contiguous",
+    query_block=None,
+    dense=False,
+    **more,
 ):
     """One forward and backward of the CP model on this rank's shard.
 
@@ -24,8 +33,8 @@ def cp_step(
     "train_ac_compiled" (that, and every decoder layer compiled by inductor with fullgraph=True).
     layout: the sequence layout given to parallelize and shard_batch. query_block: the indexer's
     query rows a block (DeepSeek Sparse Attention; default BlockedIndexer's). dense: parallelize's
-    option (every attention layer on the model's own math). Returns logits, loss, every
-    parameter's grad (this rank's partial sum), which math each
+    option (every attention layer on the model's own math); more: parallelize's other options.
+    Returns logits, loss, every parameter's grad (this rank's partial sum), which math each
     attention layer took (`paths`: None for torch_impl.attention, else why it kept the dense mask)
     and how many calls reached torch_impl.attention, and in eval mode the bytes received per
     (direction, layer) and dtype, counted at the c10d calls, and the calls per (direction, layer).
@@ -35,7 +44,7 @@ def cp_step(
     model.train(mode != "eval")
     if mode == "train_ac":
         model.activation_checkpointing_enable()
-    hf.parallelize(model, group, layout=layout, dense=dense)
+    hf.parallelize(model, group, layout=layout, dense=dense, **more)
     for module in model.modules():
         if query_block is not None and isinstance(module, BlockedIndexer):
             module.query_block = query_block
@@ -145,6 +154,26 @@ def refuse(group, name):
             message = str(e)
     after = torch_impl.gather_sequence(torch.full((1, 1), float(dist.get_rank(group))), group)
     return message, counter.calls, after.flatten().tolist()
+
+
+def isolated(group, name, state, batch, isolate):
+    """cp_step (eval) with parallelize(isolate_documents=isolate)."""
+    return cp_step(group, name, "float64", state, batch, isolate_documents=isolate)
+
+
+def unlisted_packed(group, name, state, batch):
+    """Packed rows given to a model whose base model's class torch_impl.hf.documents.ISOLATES does
+    not list (renamed, as a family newer than the table): the first call's message."""
+    base = type(hf_models.build(name).base_model)
+    model = hf_models.build(name)
+    model.load_state_dict(state)
+    model.base_model.__class__ = type("UnlistedModel", (base,), {"__module__": "transformers.unlisted"})
+    hf.parallelize(model, group, verbose=False)
+    try:
+        model(**hf.shard_batch(batch, group))
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def unsupported_call(group, name, state, batch, call):

@@ -9,6 +9,7 @@ import torch
 
 from parity_tests import bounds, hf_cases, hf_models
 from parity_tests.hf_reference import (
+    assert_matches_reference,
     check_bytes,
     hf_bounds,
     layer_kinds,
@@ -102,22 +103,32 @@ def test_k_and_v_travel_in_one_exchange(pool, layout):
 
 
 def test_documents_are_isolated_where_the_model_isolates_them():
-    """torch_impl.hf.documents reads from each base model's forward whether it hands transformers'
-    mask functions the positions (directly, through an alias, or in a kwargs dict and its copy):
-    GPT-OSS does not (one process attends across its documents), the other families do."""
+    """torch_impl.hf.documents.ISOLATES: GPT-OSS does not isolate packed documents (one process
+    attends across them), the other families do; a subclass of a listed class (a user's own) takes
+    its entry, a class outside transformers' listed ones none. (`make models` checks every entry
+    against one process.)"""
     for name in hf_models.SUPPORTED + hf_models.INDEXED:
-        assert isolates_documents(type(hf_models.build(name).base_model)) is (name != "gpt_oss"), name
+        assert isolates_documents([hf_models.build(name).base_model]) is (name != "gpt_oss"), name
+    model = hf_models.build("llama")
+    mine = type("MyModel", (type(model.base_model),), {})
+    model.base_model.__class__ = mine
+    assert isolates_documents([model.base_model]) is True
+    assert isolates_documents([torch.nn.Linear(1, 1)]) is None
 
-    class Custom(torch.nn.Module):
-        def forward(self, x, position_ids=None):
-            kwargs = {"config": None}
-            more = kwargs.copy()
-            more["position_ids"] = position_ids
-            pick = create_causal_mask if x else create_sliding_window_causal_mask  # noqa: F821
-            return pick(**more)
 
-    assert isolates_documents(Custom) is True
-    assert isolates_documents(torch.nn.Linear) is None  # no mask function call
+def test_packed_rows_of_an_unlisted_model_are_refused_or_follow_the_override(pool):
+    """An unlisted class: packed rows raise on every rank, naming the override; with
+    isolate_documents=False, Llama's packed rows attend across documents, as one process does given
+    an attention_mask (the packed reference with a mask), and with True they are isolated."""
+    n = 2
+    across, isolated = packed_reference("llama", with_mask=True), packed_reference("llama")
+    (messages,) = pool.run(("first", n), hf_cases.unlisted_packed, "llama", isolated.state, isolated.batch)
+    for message in messages:
+        assert "isolate_documents=" in message and "UnlistedModel" in message, message
+    for ref, isolate in ((across, False), (isolated, True)):
+        batch = {k: v for k, v in ref.batch.items() if k != "attention_mask"}
+        (group_results,) = pool.run(("first", n), hf_cases.isolated, "llama", ref.state, batch, isolate)
+        assert_matches_reference(group_results, ref._replace(batch=batch))
 
 
 # --- data parallelism -------------------------------------------------------------------------

@@ -6,82 +6,54 @@ Llama, Mistral, Gemma, LFM2, DeepSeek V3.2 and GLM-5 do; GPT-OSS (and Bloom, Fal
 not, and in one process their tokens attend across documents. A rank cannot tell from its own mask
 call (transformers looks for restarts in the rank's own positions, which a shard inside one document
 does not have), and every rank must decide alike (the decision picks each layer's transport), so it
-is read once from the source of the module that receives the inputs (its forward and the methods
-it defines, BERT's `_create_attention_masks` for instance), the same on every rank: its calls of
-transformers' mask functions, with their keyword arguments and the `**kwargs` dicts they expand
-(`mask_kwargs = {...}`, copies and item assignments of it).
+is looked up in `ISOLATES`, by the class of the module that receives the inputs (its base model or
+language model), or given to `parallelize(isolate_documents=...)`. A class outside the table (a new
+family) gets packed rows refused until it is added: `make models` runs every family's packed rows
+against one process, so a wrong entry shows there as a wrong family.
 """
 
-import ast
-import functools
-import inspect
-import logging
-import textwrap
-
-MASK_FUNCTIONS = {
-    "create_causal_mask",
-    "create_sliding_window_causal_mask",
-    "create_chunked_causal_mask",
-    "create_masks_for_generate",
-}
-log = logging.getLogger("torch_impl.hf")
-
-
-@functools.cache
-def isolates_documents(model_class):
-    """True when every mask function call in `model_class`'s methods (its own and those it inherits
-    from transformers' modeling classes) receives position_ids, False when none does; None when it
-    makes no such call or cannot be read (packed rows are then refused)."""
-    try:
-        sources = [
-            textwrap.dedent(inspect.getsource(cls))
-            for cls in model_class.__mro__
-            if cls.__module__.startswith("transformers.models.") or cls is model_class
-        ]
-        tree = ast.Module([node for source in sources for node in ast.parse(source).body], [])
-    except (OSError, TypeError, SyntaxError):
-        return None
-    aliases, keys = set(MASK_FUNCTIONS), {}  # names bound to mask functions; dict name -> its keys
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            name, value = node.targets[0].id, node.value
-            if isinstance(value, ast.Dict):
-                keys[name] = {k.value for k in value.keys if isinstance(k, ast.Constant)}
-            elif _is_copy(value):
-                keys[name] = set(keys.get(_copied(value), ()))
-            elif {n.id for n in ast.walk(value) if isinstance(n, ast.Name)} & MASK_FUNCTIONS:
-                aliases.add(name)  # e.g. `mask_function = create_causal_mask if ... else ...`
-        elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Subscript):
-            target = node.targets[0]
-            if isinstance(target.value, ast.Name) and isinstance(target.slice, ast.Constant):
-                keys.setdefault(target.value.id, set()).add(target.slice.value)
-    passed = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and _name(node.func) in aliases:
-            names = {k.arg for k in node.keywords if k.arg}
-            for k in node.keywords:
-                if k.arg is None and isinstance(k.value, ast.Name):
-                    names |= keys.get(k.value.id, set())
-            passed.append("position_ids" in names)
-    if not passed:
-        return None
-    if len(set(passed)) > 1:
-        log.info("%s passes position_ids to some of its mask functions only", model_class.__name__)
-    return any(passed)
+_ISOLATING = """
+    AXK1Model AXK2Model ApertusModel ArceeModel AriaTextModel BailingHybridModel BambaModel
+    BeamModel BitNetModel BltModel CTRLModel CodeGenModel Cohere2Model Cohere2MoeModel
+    CohereCompassTextModel CohereModel CwmModel DbrxModel DeepseekV2Model DeepseekV32Model
+    DeepseekV3Model DeepseekV4Model DiffLlamaModel DogeModel Dots1Model Dots3NoteTextModel
+    Emu3TextModel Ernie4_5Model Ernie4_5_MoeModel Exaone4Model ExaoneMoeModel FalconH1Model
+    FlexOlmoModel FlintModel GPT2Model GPTBigCodeModel GPTJModel GPTNeoModel
+    GPTNeoXJapaneseModel GPTNeoXModel Gemma2Model Gemma3Model Gemma3TextModel Gemma3nTextModel
+    Gemma4Model Gemma4TextModel Gemma4UnifiedModel Gemma4UnifiedTextModel GemmaModel Glm4Model
+    Glm4MoeLiteModel Glm4MoeModel GlmModel GlmMoeDsaModel GraniteModel GraniteMoeModel
+    GraniteMoeSWAModel GraniteMoeSharedModel GraniteSWAModel HYV3Model HYV4Model HeliumModel
+    HrmTextModel HunYuanDenseV1Model HunYuanMoEV1Model HyperCLOVAXModel Inkling2TextModel
+    InklingTextModel Jais2Model JambaModel JetMoeModel KimiLinearModel Kolibri1Model LagunaModel
+    Lfm2Model Lfm2MoeModel Lfm3Model Llama4TextModel LlamaModel LongcatFlashModel MellumModel
+    MiMoV2FlashModel MiniCPM3Model MiniMaxM2Model MiniMaxM3VLTextModel MiniMaxModel
+    Ministral3Model MinistralModel MistralModel MixtralModel MllamaTextModel
+    ModernBertDecoderModel MoshiModel NanoChatModel NemotronHModel NemotronModel Olmo2Model
+    Olmo3Model OlmoHybridModel OlmoModel OlmoeModel PersimmonModel Phi3Model Phi4MultimodalModel
+    PhiModel PhimoeModel Qwen2Model Qwen2MoeModel Qwen3Model Qwen3MoeModel Qwen3NextModel
+    Qwen3_5MoeTextModel Qwen3_5TextModel Qwen4ExpTextModel RecurrentGemmaModel SeedOssModel
+    SmolLM3Model SolarOpenModel StableLmModel Starcoder2Model VaultGemmaModel WhisperDecoder
+    YoutuModel Zamba2Model ZambaModel ZayaModel
+"""
+_NOT_ISOLATING = """
+    AfmoeModel BertGenerationEncoder BertModel BigBirdModel BioGptModel BloomModel
+    CamembertModel Data2VecTextModel ElectraModel ErnieModel FalconModel GptOssModel
+    GraniteMoeHybridModel MegatronBertModel MptModel OPTDecoder RemBertModel RoCBertModel
+    RoFormerModel RobertaModel RobertaPreLayerNormModel XGLMModel XLMRobertaModel
+    XLMRobertaXLModel XmodModel
+"""
+# transformers 5.23.0's model classes that receive a causal LM's inputs -> whether they isolate
+ISOLATES = dict.fromkeys(_ISOLATING.split(), True) | dict.fromkeys(_NOT_ISOLATING.split(), False)
 
 
-def _name(func):
-    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
-
-
-def _is_copy(value):
-    """`d.copy()` or `dict(d)`."""
-    return isinstance(value, ast.Call) and (
-        (isinstance(value.func, ast.Attribute) and value.func.attr == "copy")
-        or (_name(value.func) == "dict" and len(value.args) == 1)
-    )
-
-
-def _copied(value):
-    source = value.func.value if isinstance(value.func, ast.Attribute) else value.args[0]
-    return source.id if isinstance(source, ast.Name) else None
+def isolates_documents(modules):
+    """Whether the model whose inputs `modules` (outer first) receive isolates packed documents in
+    one process: the first of their classes in ISOLATES (a subclass of a transformers class: that
+    class's entry); None when none is listed."""
+    for module in modules:
+        for cls in type(module).__mro__:
+            if cls.__module__.startswith("transformers."):
+                if cls.__name__ in ISOLATES:
+                    return ISOLATES[cls.__name__]
+                break
+    return None

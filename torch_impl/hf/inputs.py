@@ -120,7 +120,7 @@ class ModelInputs:
       whole sequence (`Positions`: the global rows, or for some families a count of real tokens
       gathered once per forward). Given positions may restart (packed sequences); where
       transformers then isolates the documents (no attention_mask, no cache, a model that hands its
-      mask functions the positions: torch_impl.hf.documents), the positions are gathered once per
+      mask functions the positions: torch_impl.hf.documents.ISOLATES), the positions are gathered once per
       forward and their document ids, numbered as transformers' `find_packed_sequence_indices`
       numbers them over the whole sequence, and how far back each chunk's first document began
       (torch_impl.layout.Documents), reach every attention layer in the `Context`, which this
@@ -184,9 +184,10 @@ class ModelInputs:
         if packed and self.isolates is None:
             raise ValueError(
                 f"`{IMPLEMENTATION}`: packed rows (position_ids without attention_mask) given to "
-                f"{type(module).__name__}, whose mask calls the adapter cannot read, so it cannot tell "
-                "whether one process isolates the documents; pass an attention_mask (the documents "
-                "then attend across each other) or unpacked rows"
+                f"{type(module).__name__}, a class torch_impl.hf.documents.ISOLATES does not list, so "
+                "it cannot tell whether one process isolates the documents; give parallelize "
+                "isolate_documents=, pass an attention_mask (the documents then attend across each "
+                "other) or unpacked rows"
             )
         if packed and self.isolates:  # as one process would
             everywhere = gather(positions.expand(B, -1).contiguous())  # [B, S]

@@ -247,14 +247,14 @@ def _hooked(model, decoder):
     return hooked
 
 
-def apply_inputs(model, decoder, hooked, group, validate, layout="contiguous"):
+def apply_inputs(model, decoder, hooked, group, validate, layout="contiguous", isolates=None):
     """The model's inputs (global positions, documents, attention chunks, indexed_attention's
     context, the refusal of a filled KV cache or of non-text inputs, and (validate) the cross-rank
     check), prepared by a pre-hook on each hooked module (the first to run in a forward does it)."""
     indexed = INDEXED in (getattr(decoder.config, "layer_types", None) or ())
     chunk = getattr(decoder.config, "attention_chunk_size", None)
     positions = _positions(model, decoder)
-    isolates = next((i for m in hooked if (i := isolates_documents(type(m))) is not None), None)
+    isolates = isolates_documents(hooked) if isolates is None else isolates
     types = getattr(decoder.config, "layer_types", None)
     kinds = None if not types else frozenset(types)  # a mask of another kind reaches no layer
     for module in hooked:
@@ -275,7 +275,9 @@ def apply_short_conv(convs, group, layout="contiguous"):
     return {type(module).__name__: "its own forward over a halo of kernel - 1 tokens" for module in convs}
 
 
-def parallelize(model, group, *, layout="contiguous", validate=True, verbose=True, dense=False):
+def parallelize(
+    model, group, *, layout="contiguous", validate=True, verbose=True, dense=False, isolate_documents=None
+):
     """Make a transformers causal LM context-parallel over `group`, in place; returns the model.
 
     Every check runs before anything changes and before any communication, identically on every
@@ -292,9 +294,15 @@ def parallelize(model, group, *, layout="contiguous", validate=True, verbose=Tru
         logged (`torch_impl.hf`, INFO) and kept as `model.cp_transport_paths` ({layer kind: path}).
     dense: True keeps every full and sliding attention layer on the model's own attention function
         over a dense [L, T] mask (the fallback path, exact but O(L * T) memory), for comparison.
+    isolate_documents: whether this model, in one process, keeps the documents of packed rows
+        (position_ids restarting, no attention_mask) from attending to each other, as CP then must;
+        None looks its class up in torch_impl.hf.documents.ISOLATES (transformers' families; packed
+        rows are refused for a class it does not list). Give it for a model of your own.
     """
     group = _group.resolve_group(group)
     check_layout(layout)
+    if not (isolate_documents is None or isinstance(isolate_documents, bool)):
+        raise ValueError(f"`isolate_documents` must be None, True or False, got {isolate_documents!r}")
     if _group.world_size(group) == 1:
         return model
     decoder = _decoder(model)
@@ -302,7 +310,7 @@ def parallelize(model, group, *, layout="contiguous", validate=True, verbose=Tru
         raise _refuse("", model, "is already context-parallel")
     attentions, convs = _plan(model, decoder, group, layout, dense)
     hooked = _hooked(model, decoder)
-    apply_inputs(model, decoder, hooked, group, validate, layout)
+    apply_inputs(model, decoder, hooked, group, validate, layout, isolate_documents)
     paths = apply_attention(decoder, attentions) | apply_short_conv(convs, group, layout)
     model.cp_transport_paths = paths
     summary = (
