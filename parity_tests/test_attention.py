@@ -24,6 +24,8 @@ import torch
 
 from parity_tests import bounds
 from torch_impl import attention
+from torch_impl.attention import kernels
+from torch_impl.attention.tiles import tile_plan
 
 
 def float64_bound(sums, T, scale, scores):
@@ -255,7 +257,7 @@ def test_tile_plan_covers_every_visible_pair_exactly_once(L, h, window, masked, 
     T, block = h + L, 4
     rule = attention.mask_mod(h, 0, window, None, None)
     covered = torch.zeros(L, T, dtype=torch.long)
-    for q0, q1, tiles in attention.tile_plan(L, T, window, block, masked, merge=merge):
+    for q0, q1, tiles in tile_plan(L, T, window, block, masked, merge=merge):
         for t in tiles:
             assert (t.q0, t.q1) == (q0, q1) and 0 <= t.k0 < t.k1 <= T
             pairs = rule(0, 0, torch.arange(q0, q1)[:, None], torch.arange(t.k0, t.k1)[None])
@@ -295,7 +297,7 @@ def test_tile_plan_skips_tiles_across_documents(L, h, window):
         rule = attention.mask_mod(h, 0, window, docs, None)
         b = torch.arange(2)[:, None, None]
         covered = torch.zeros(L, T, dtype=torch.long)
-        for q0, q1, tiles in attention.tile_plan(L, T, window, block, False, spans):
+        for q0, q1, tiles in tile_plan(L, T, window, block, False, spans):
             for t in tiles:
                 pairs = rule(b, 0, torch.arange(q0, q1)[None, :, None], torch.arange(t.k0, t.k1)[None, None])
                 assert pairs.any(), (seed, t)
@@ -333,12 +335,8 @@ def test_a_skipped_tile_is_never_computed():
         out = attention.causal_attention(q, k, v, T - L, 0, documents=docs)
         out.sum().backward()
     spans = attention.tiles.document_spans(docs, L, block)
-    planned = sum(
-        t.k1 - t.k0 for _, _, tiles in attention.tile_plan(L, T, None, block, False, spans) for t in tiles
-    )
-    unskipped = sum(
-        t.k1 - t.k0 for _, _, tiles in attention.tile_plan(L, T, None, block, True) for t in tiles
-    )
+    planned = sum(t.k1 - t.k0 for _, _, tiles in tile_plan(L, T, None, block, False, spans) for t in tiles)
+    unskipped = sum(t.k1 - t.k0 for _, _, tiles in tile_plan(L, T, None, block, True) for t in tiles)
     assert KeyRows.rows == 2 * planned and planned < unskipped / 2, (KeyRows.rows, planned, unskipped)
     want = brute_force(q.double(), k.double(), v.double(), T - L, 0, None, 8**-0.5, docs, None)
     c = 2 * (2 * 600 + 8)  # as the float32 test above: sums over a query's 600 keys, D = 8 products
@@ -399,7 +397,7 @@ def test_the_cuda_rule_runs_through_flex_attention_forward_on_cpu():
     q, k, v, docs, pad = make_inputs(24, 47, 2, 4, 2, True, True, seed=3, dtype=torch.float32)
     q, k, v = (t.detach() for t in (q, k, v))
     for softcap in (None, 2.0):
-        out = attention.KERNELS["flex"](q, k, v, 1000, 953, 48, 0.25, docs, pad, softcap, None)
+        out = kernels._KERNELS["flex"](q, k, v, 1000, 953, 48, 0.25, docs, pad, softcap, None)
         ref = brute_force(q.double(), k.double(), v.double(), 1000, 953, 48, 0.25, docs, pad, softcap)
         # integer inputs, exact scores: float32 rounds the softmax's two sums of T = 71 terms; a
         # capped score also its 3 roundings of up to the cap (2), which each weight's exp carries

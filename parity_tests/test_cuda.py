@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from parity_tests import hf_models
 from torch_impl import attention, gather_halo, gather_metadata, gather_sequence
+from torch_impl.attention import kernels
 
 pytestmark = [
     pytest.mark.cuda,
@@ -129,8 +130,8 @@ def test_attention_on_cuda_equals_the_cpu_math(case, dtype, monkeypatch):
     k_start = 0 if before == 0 else 500  # global rows of the first key
     q_start = k_start + before
     ran = []
-    for key, fn in list(attention.KERNELS.items()):
-        monkeypatch.setitem(attention.KERNELS, key, lambda *a, _k=key, _f=fn: ran.append(_k) or _f(*a))
+    for key, fn in list(kernels._KERNELS.items()):
+        monkeypatch.setitem(kernels._KERNELS, key, lambda *a, _k=key, _f=fn: ran.append(_k) or _f(*a))
     args = (q, k, v, grad, q_start, k_start, window, docs, pad, softcap, sinks)
     got = run_attention(CUDA, dtype, *args)
     expected = run_attention("cpu", torch.float64, *args)
@@ -315,8 +316,8 @@ def test_hf_last_rank_runs_on_cuda(name, dtype, monkeypatch):
     from torch_impl import hf
 
     ran = []
-    for key, fn in list(attention.KERNELS.items()):
-        monkeypatch.setitem(attention.KERNELS, key, lambda *a, _k=key, _f=fn: ran.append(_k) or _f(*a))
+    for key, fn in list(kernels._KERNELS.items()):
+        monkeypatch.setitem(kernels._KERNELS, key, lambda *a, _k=key, _f=fn: ran.append(_k) or _f(*a))
     model = cuda_model(name, dtype)
     model.train()
     with process_group("fake", 3, 4) as group:

@@ -6,7 +6,10 @@ exact in every float dtype and a token or gradient sent to the wrong place canno
 results are checked, for every group of a grouping (groups whose ranks are not the global ranks too).
 """
 
+import importlib.metadata
+import inspect
 import math
+import pathlib
 import re
 
 import numpy as np
@@ -270,7 +273,10 @@ def test_both_halo_exchanges_receive_the_analytic_minimum(pool):
 
 
 def test_public_names():
-    """`__all__` lists the public API; the autograd Functions stay importable under their names."""
+    """`__all__` lists the public API; the autograd Functions stay importable under their names.
+    Every public function of torch_impl, torch_impl.attention and torch_impl.hf is annotated (each
+    parameter but *args/**kwargs, and its return); the package is typed (py.typed) and versioned as
+    installed."""
     assert torch_impl.__all__ == [
         "Transfer",
         "gather_halo",
@@ -278,11 +284,29 @@ def test_public_names():
         "gather_sequence",
         "halo_plan",
     ]
-    from torch_impl import _GatherHalo, _GatherSequence
+    from torch_impl import _GatherHalo, _GatherSequence, attention, hf
 
     assert issubclass(_GatherHalo, torch.autograd.Function) and issubclass(
         _GatherSequence, torch.autograd.Function
     )
+    for package in (torch_impl, attention, hf):
+        for name in package.__all__:
+            value = getattr(package, name)
+            assert not name.startswith("_"), name
+            if inspect.isfunction(value) or hasattr(value, "_opoverload"):
+                function = getattr(value, "_init_fn", value)  # a torch.library custom op: its function
+                signature = inspect.signature(function)
+                unannotated = [
+                    p.name
+                    for p in signature.parameters.values()
+                    if p.annotation is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                ]
+                assert not unannotated and signature.return_annotation is not signature.empty, (
+                    f"{package.__name__}.{name}",
+                    unannotated,
+                )
+    assert torch_impl.__version__ == importlib.metadata.version("cp-transport")
+    assert (pathlib.Path(torch_impl.__file__).parent / "py.typed").is_file()
 
 
 def test_head_tail_halos_move_only_the_windows(pool):

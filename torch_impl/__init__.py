@@ -25,4 +25,5 @@ from torch_impl.metadata import gather_metadata
 from torch_impl.sequence import _GatherSequence as _GatherSequence  # importable, not public
 from torch_impl.sequence import gather_sequence
 
+__version__ = "0.1.0"
 __all__ = ["Transfer", "gather_halo", "gather_metadata", "gather_sequence", "halo_plan"]

@@ -6,7 +6,10 @@
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-# torch >= 2.13 names the single-tensor collectives *_single; older releases *_tensor.
+Group = dist.ProcessGroup | DeviceMesh | None  # a CP group as the public functions take it
+
+# torch >= 2.13 names the single-tensor collectives *_single; older releases (the GPU check's
+# image, torch 2.11, which runs the package from its source tree) *_tensor.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 

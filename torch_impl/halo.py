@@ -1,5 +1,6 @@
 """gather_halo: only the preceding causal window, by point-to-point transport, with exact gradients."""
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -22,7 +23,9 @@ class Transfer(NamedTuple):
     dst_chunk: int = 0  # which of dst's local chunks (head_tail: 0 head, 1 tail)
 
 
-def halo_plan(world_size, local_len, halo_size, layout="contiguous"):
+def halo_plan(
+    world_size: int, local_len: int, halo_size: int | Sequence[int], layout: str = "contiguous"
+) -> tuple[Transfer, ...]:
     """Every transfer of a halo exchange, for both directions: forward src -> dst, backward dst -> src.
 
     The window of chunk c (C tokens) is the global tokens [first_key, cC), first_key = cC - min(cC,
@@ -182,7 +185,15 @@ class _GatherHalo(torch.autograd.Function):
         return grad_x, None, None, None, None
 
 
-def gather_halo(x, group, halo_size, left_padding=0, *, layout="contiguous", validate=None):
+def gather_halo(
+    x: torch.Tensor,
+    group: _group.Group,
+    halo_size: int | Sequence[int],
+    left_padding: int = 0,
+    *,
+    layout: str = "contiguous",
+    validate: bool | None = None,
+) -> torch.Tensor:
     """Prepend only the preceding causal window using point-to-point transport.
 
     forward: p2p receives from the ranks that hold the window (ceil(halo_size/C) chunks at most,

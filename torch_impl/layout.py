@@ -16,6 +16,7 @@ or one per global chunk (packed documents: `document_reach`, how far back each c
 document began), so that a chunk whose document starts late fetches only that document's keys.
 """
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -23,7 +24,7 @@ import torch
 LAYOUTS = ("contiguous", "head_tail")
 
 
-def check(layout, local_len=None):
+def check(layout: str, local_len: int | None = None) -> None:
     """ValueError unless `layout` is known and (head_tail) the local length splits into two chunks."""
     if layout not in LAYOUTS:
         raise ValueError(f"`layout` must be one of {LAYOUTS}, got {layout!r}")
@@ -74,7 +75,7 @@ class ShardPlan(NamedTuple):
     local_len: int
 
     @classmethod
-    def of(cls, layout, n, r, local_len):
+    def of(cls, layout: str, n: int, r: int, local_len: int) -> "ShardPlan":
         check(layout, local_len)
         return cls(layout, n, r, local_len)
 
@@ -87,7 +88,7 @@ class ShardPlan(NamedTuple):
         """The global chunk indices the rank holds, in local order."""
         return (self.r,) if self.layout == "contiguous" else (self.r, 2 * self.n - 1 - self.r)
 
-    def rows(self, device=None):
+    def rows(self, device: torch.device | str | None = None) -> torch.Tensor:
         """int64 [L]: the global row of each local token."""
         C = self.chunk_len
         return torch.cat([torch.arange(c * C, (c + 1) * C, device=device) for c in self.chunks])
@@ -102,7 +103,7 @@ class ShardPlan(NamedTuple):
         """How many chunks the whole sequence has (n contiguous, 2n head_tail)."""
         return self.n if self.layout == "contiguous" else 2 * self.n
 
-    def windows(self, reach=None, left_padding=0):
+    def windows(self, reach: int | Sequence[int] | None = None, left_padding: int = 0) -> tuple[Window, ...]:
         """Per local chunk, its Window for a layer that reaches `reach` tokens back (a window W:
         W - 1; a conv of kernel K: K - 1; None: the whole causal prefix, keys from row 0; a
         sequence: reach[c] for global chunk c), with the segments of gather_halo(x, reach,
@@ -120,7 +121,7 @@ class ShardPlan(NamedTuple):
         return tuple(out)
 
 
-def document_starts(documents):
+def document_starts(documents: torch.Tensor) -> torch.Tensor:
     """int64 [B, T]: for each position, the first position of its document, where documents (int
     [B, T]) numbers each row's documents as runs of equal ids (transformers'
     find_packed_sequence_indices). A document cut off at position 0 starts there."""
@@ -131,7 +132,7 @@ def document_starts(documents):
     return torch.where(begins, rows, 0).cummax(dim=1).values  # [B, T]
 
 
-def document_reach(documents, chunk_len):
+def document_reach(documents: torch.Tensor, chunk_len: int) -> tuple[int, ...]:
     """Per global chunk c of chunk_len tokens, how many tokens before its first one (row c*C) that
     token's document began, the largest over the batch's rows: a tuple of Python ints, the same on
     every rank that holds the same documents (int [B, S] in global order, runs of equal ids).
@@ -144,7 +145,7 @@ def document_reach(documents, chunk_len):
     return tuple(reach_of(documents, chunk_len).tolist())
 
 
-def reach_of(documents, chunk_len):
+def reach_of(documents: torch.Tensor, chunk_len: int) -> torch.Tensor:
     """document_reach's values as an int64 tensor [chunks] on the documents' device (no host read;
     the documents are runs of ids, unchecked)."""
     firsts = document_starts(documents)[:, ::chunk_len]  # [B, chunks]: at each chunk's first row
@@ -152,7 +153,7 @@ def reach_of(documents, chunk_len):
     return (starts - firsts).amax(dim=0)
 
 
-def packed_ids(positions):
+def packed_ids(positions: torch.Tensor) -> torch.Tensor:
     """int64 [B, S]: the document of every token of packed rows, from their positions [B, S] in
     global order, numbered as transformers' find_packed_sequence_indices numbers them: a new
     document wherever a position is not its predecessor's plus one (no host read)."""
@@ -166,7 +167,7 @@ class Documents(NamedTuple):
     ids: torch.Tensor  # int [B, S] by global row: runs of equal ids, one per document
     reach: tuple | None  # per global chunk, document_reach(ids, C); None: unknown (inside torch.compile)
 
-    def layer_reach(self, window=None):
+    def layer_reach(self, window: int | None = None) -> int | tuple[int, ...] | None:
         """How far back a layer's chunks fetch (ShardPlan.windows' reach): for a window W, W - 1
         capped per chunk by its document's start; None (full attention): the document's start."""
         full = None if window is None else window - 1

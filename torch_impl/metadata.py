@@ -6,7 +6,9 @@ from torch_impl import _group, validation
 from torch_impl.sequence import all_gather
 
 
-def gather_metadata(x, group, *, layout="contiguous", validate=None):
+def gather_metadata(
+    x: torch.Tensor, group: _group.Group, *, layout: str = "contiguous", validate: bool | None = None
+) -> torch.Tensor:
     """Gather non-differentiable positions, masks or indexer projections.
 
     forward: all-gather; no backward.

@@ -80,7 +80,9 @@ class _GatherSequence(torch.autograd.Function):
         return reduce_scatter(grad_output, ctx.group, ctx.layout), None, None
 
 
-def gather_sequence(x, group, *, layout="contiguous", validate=None):
+def gather_sequence(
+    x: torch.Tensor, group: _group.Group, *, layout: str = "contiguous", validate: bool | None = None
+) -> torch.Tensor:
     """Gather contiguous sequence shards with their autograd edges.
 
     forward: all-gather; backward: reduce-scatter.

@@ -32,19 +32,9 @@ CPU tiles, `make gpu-check`). Modules: `rule` (the visibility rule and the argum
 (DeepSeek Sparse Attention's absorbed form, `sparse_mla_attention`).
 """
 
-from torch_impl.attention.kernels import KERNELS, causal_attention, choose_kernel
-from torch_impl.attention.rule import check_arguments, mask_mod
+from torch_impl.attention.kernels import causal_attention, choose_kernel
+from torch_impl.attention.rule import mask_mod
 from torch_impl.attention.sparse_mla import sparse_mla_attention
-from torch_impl.attention.tiles import Tile, tile_plan, tiled_attention
+from torch_impl.attention.tiles import tiled_attention
 
-__all__ = [
-    "KERNELS",
-    "Tile",
-    "causal_attention",
-    "check_arguments",
-    "choose_kernel",
-    "mask_mod",
-    "sparse_mla_attention",
-    "tile_plan",
-    "tiled_attention",
-]
+__all__ = ["causal_attention", "choose_kernel", "mask_mod", "sparse_mla_attention", "tiled_attention"]

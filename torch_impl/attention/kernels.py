@@ -11,19 +11,19 @@ from torch_impl.attention.tiles import tiled_attention
 
 
 def causal_attention(
-    query,
-    key,
-    value,
-    q_start,
-    k_start,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    q_start: int,
+    k_start: int,
     *,
-    window=None,
-    scale=None,
-    documents=None,
-    padding=None,
-    softcap=None,
-    sinks=None,
-):
+    window: int | None = None,
+    scale: float | None = None,
+    documents: torch.Tensor | None = None,
+    padding: torch.Tensor | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal attention of this rank's queries over its keys, by global position; differentiable.
 
     query: [B, H, L, D] at global rows q_start ..; key, value: [B, Hkv, T, D] and [B, Hkv, T, Dv] at
@@ -45,13 +45,20 @@ def causal_attention(
     if query.shape[-1] != Dv:  # zero columns change no score and add no output
         query, key, value = (F.pad(t, (0, width - t.shape[-1])) for t in (query, key, value))
     kernel = choose_kernel(query, window, documents, padding, softcap, sinks)
-    out = KERNELS[kernel](
+    out = _KERNELS[kernel](
         query, key, value, q_start, k_start, window, scale, documents, padding, softcap, sinks
     )
     return out if width == Dv else out[..., :Dv]  # [B, H, L, Dv]
 
 
-def choose_kernel(query, window, documents, padding, softcap=None, sinks=None):
+def choose_kernel(
+    query: torch.Tensor,
+    window: int | None,
+    documents: torch.Tensor | None,
+    padding: torch.Tensor | None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> str:
     """The kernel name for this call (the table in the module docstring)."""
     if query.device.type != "cuda":
         return "tiled"
@@ -123,4 +130,4 @@ def _tiled(query, key, value, q_start, k_start, window, scale, documents, paddin
     )[0]
 
 
-KERNELS = {"flash": _flash, "flex": _flex, "tiled": _tiled}
+_KERNELS = {"flash": _flash, "flex": _flex, "tiled": _tiled}

@@ -1,8 +1,18 @@
 """The visibility rule of a rank's causal attention (flex_attention's `mask_mod` form) and the
 checks of its arguments."""
 
+from collections.abc import Callable
 
-def mask_mod(q_start, k_start, window, documents, padding):
+import torch
+
+
+def mask_mod(
+    q_start: int,
+    k_start: int,
+    window: int | None,
+    documents: torch.Tensor | None,
+    padding: torch.Tensor | None,
+) -> Callable:
     """The visibility rule as flex_attention's mask_mod(b, h, q_idx, kv_idx) over local indices.
 
     documents: int [B, T] per key row (a query's is its own key row's), or None; padding: bool

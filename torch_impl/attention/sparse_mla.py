@@ -5,8 +5,17 @@ from torch.utils.checkpoint import checkpoint
 
 
 def sparse_mla_attention(
-    query, latents, kv_weight, indices, valid, *, nope_dim, scale, sinks=None, block=128
-):
+    query: torch.Tensor,
+    latents: torch.Tensor,
+    kv_weight: torch.Tensor,
+    indices: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    nope_dim: int,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+    block: int = 128,
+) -> torch.Tensor:
     """MLA attention in absorbed (MQA) form over the keys each query selected; differentiable.
 
     query: [B, H, L, dn + dr], each head's nope part then its rope part; latents: [B, T, r + dr], a

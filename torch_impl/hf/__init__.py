@@ -52,7 +52,6 @@ model's pre-hook), `trainer` (`ContextParallelMixin`: transformers' Trainer and 
 """
 
 from torch_impl.hf._common import IMPLEMENTATION
-from torch_impl.hf.attention import AttentionPlan
 from torch_impl.hf.data_parallel import apply_ddp, apply_fsdp, gradient_divide_factor
 from torch_impl.hf.inputs import shard_batch
 from torch_impl.hf.parallelize import checkpoint_kwargs, parallelize
@@ -60,7 +59,6 @@ from torch_impl.hf.trainer import ContextParallelMixin
 
 __all__ = [
     "IMPLEMENTATION",
-    "AttentionPlan",
     "ContextParallelMixin",
     "apply_ddp",
     "apply_fsdp",

@@ -20,6 +20,7 @@ gradients come out divided by the CP size. These wrappers reduce over the flatte
 mesh named "cp" (no data parallelism).
 """
 
+from torch import nn
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -39,14 +40,24 @@ def _flat_mesh(mesh, dp_dim, cp_dim):
     return mesh[dp_dim, cp_dim]._flatten(f"{dp_dim}_{cp_dim}"), mesh[dp_dim].size()
 
 
-def gradient_divide_factor(mesh, *, global_num_items=False, dp_dim="dp", cp_dim="cp"):
+def gradient_divide_factor(
+    mesh: DeviceMesh, *, global_num_items: bool = False, dp_dim: str = "dp", cp_dim: str = "cp"
+) -> int:
     """What the gradients summed over every dp x cp rank are divided by: the DP size, or 1 when
     each rank's loss is already its share of the mean over all DP batches (`global_num_items`)."""
     _, dp = _flat_mesh(mesh, dp_dim, cp_dim)
     return 1 if global_num_items else dp
 
 
-def apply_fsdp(model, mesh, *, global_num_items=False, dp_dim="dp", cp_dim="cp", **fsdp_kwargs):
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    global_num_items: bool = False,
+    dp_dim: str = "dp",
+    cp_dim: str = "cp",
+    **fsdp_kwargs,
+) -> nn.Module:
     """FSDP2 over the flattened dp x cp ranks, in place: each decoder layer (the classes in the
     model's `_no_split_modules`, as transformers names them) and then the root are `fully_shard`ed
     with `fsdp_kwargs`, and every FSDP module's gradient divide factor is set (table above). On
@@ -77,7 +88,15 @@ def _all_reduce_divided(state, bucket):
     return work.get_future().then(lambda future: future.value()[0])
 
 
-def apply_ddp(model, mesh, *, global_num_items=False, dp_dim="dp", cp_dim="cp", **ddp_kwargs):
+def apply_ddp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    global_num_items: bool = False,
+    dp_dim: str = "dp",
+    cp_dim: str = "cp",
+    **ddp_kwargs,
+) -> nn.Module:
     """DistributedDataParallel over the flattened dp x cp ranks, with a comm hook that divides by
     the factor of the table above instead of DDP's group size. Returns the DDP module (call it as
     the model: `ddp(**local).loss`). `ddp_kwargs` go to DistributedDataParallel (e.g.

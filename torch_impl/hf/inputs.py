@@ -2,6 +2,7 @@
 model's forward pre-hook (`ModelInputs`: global positions, packed documents, DSA's context, the
 refusals and the cross-rank check)."""
 
+from collections.abc import Mapping
 from functools import partial
 
 import torch
@@ -277,7 +278,9 @@ def _creates_cache(module, argument):
     return bool(use_cache) and not (getattr(module, "gradient_checkpointing", False) and module.training)
 
 
-def shard_batch(batch, group, *, layout="contiguous"):
+def shard_batch(
+    batch: Mapping[str, torch.Tensor], group: _group.Group, *, layout: str = "contiguous"
+) -> dict:
     """This rank's model kwargs from a global batch of [B, S] tensors; the same keys for every n.
 
     batch: `input_ids`, optionally `attention_mask` (1: token, 0: padding), `labels` (-100:

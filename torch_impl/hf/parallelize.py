@@ -276,8 +276,15 @@ def apply_short_conv(convs, group, layout="contiguous"):
 
 
 def parallelize(
-    model, group, *, layout="contiguous", validate=True, verbose=True, dense=False, isolate_documents=None
-):
+    model: PreTrainedModel,
+    group: _group.Group,
+    *,
+    layout: str = "contiguous",
+    validate: bool = True,
+    verbose: bool = True,
+    dense: bool = False,
+    isolate_documents: bool | None = None,
+) -> PreTrainedModel:
     """Make a transformers causal LM context-parallel over `group`, in place; returns the model.
 
     Every check runs before anything changes and before any communication, identically on every
@@ -330,7 +337,7 @@ def _save_collectives_and_attention(ctx, op, *args, **kwargs):
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def checkpoint_kwargs():
+def checkpoint_kwargs() -> dict:
     """Activation checkpointing that keeps the outputs of the transport's collectives and of the
     CPU attention op (`torch_impl::tiled_attention`: its output and log-sum-exp, [B, H, L, D] and
     [B, H, L] a layer) instead of recomputing them: `model.activation_checkpointing_enable(
