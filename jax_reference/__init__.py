@@ -11,6 +11,8 @@ forward and backward; the parity suite checks it against them.
 | `gather_halo`     | `ppermute` shifts 1, 2, ... of tails  | `ppermute` with the inverse permutation; a   |
 |                   |                                       | device that received nothing drops its grad  |
 | `gather_metadata` | `all_gather` under `stop_gradient`    | none (zero cotangent)                        |
+| `gather_state`    | `all_gather` of each chunk's affine   | `psum_scatter`: each map's gradient summed   |
+|                   | map, folded in global chunk order     | on its owner                                 |
 
 Worked example, n=3 devices, L=2, halo_size=3 (numbers are global token positions, ``.`` a zero):
 
@@ -46,6 +48,15 @@ so ``halo_size[c]`` is that distance (capped by the window). The output keeps th
 a device's positions before its own h_c are zero, and their gradient goes nowhere. n=3, L=2,
 halo_size=(0, 1, 3): device 0 -> [. . . | 0 1], device 1 -> [. . 1 | 2 3] (token 0 is not in its
 window), device 2 -> [1 2 3 | 4 5].
+
+Recurrent state (``gather_state``). A linear recurrence (Gated DeltaNet, KDA, Mamba) carries a
+state of fixed size along the sequence, and over one chunk it is an affine map of the state it
+starts from: ``S_out = A_c @ S_in + B_c`` (per head: ``A_c [dk, dk]``, the ordered product of the
+chunk's transitions; ``B_c [dk, dv]``, the chunk's final state from a zero one). So a device needs
+no earlier tokens, only the earlier chunks' maps: chunk c starts from ``S_c``, with ``S_0 = 0`` and
+``S_{c+1} = A_c @ S_c + B_c`` in global chunk order. Scalars, n=3, contiguous, maps
+``(A, B) = (2, 1), (3, 1), (5, 1)``: device 0 gets ``S_0 = 0``, device 1 ``S_1 = 2*0 + 1 = 1``,
+device 2 ``S_2 = 3*1 + 1 = 4``. Under head_tail a device gets the states of its two chunks.
 """
 
 import math
@@ -53,7 +64,7 @@ import math
 from jax import lax
 import jax.numpy as jnp
 
-__all__ = ["LAYOUTS", "chunks", "gather_halo", "gather_metadata", "gather_sequence"]
+__all__ = ["LAYOUTS", "chunks", "gather_halo", "gather_metadata", "gather_sequence", "gather_state"]
 
 LAYOUTS = ("contiguous", "head_tail")
 
@@ -152,3 +163,28 @@ def gather_metadata(x, axis_name, layout="contiguous"):
     _check_shard(x, layout)
     gathered = lax.all_gather(lax.stop_gradient(x), axis_name, axis=1, tiled=True)
     return _global_order(gathered, lax.axis_size(axis_name), layout)
+
+
+def gather_state(A, B, axis_name, layout="contiguous"):
+    """A: [batch, k, ..., m, m] and B: [batch, k, ..., m, p], the affine maps S -> A @ S + B of the
+    device's k local chunks (k = 1, or 2 under head_tail) -> [batch, k, ..., m, p]: the state each
+    of them starts from, every earlier chunk's map applied in global order to a zero state.
+    Backward: the all_gather's transpose, psum_scatter, sums each map's gradient on its owner."""
+    _check_state(A, B, layout)
+    maps_A = gather_sequence(A, axis_name, layout)  # [batch, N, ..., m, m], global chunk order
+    maps_B = gather_sequence(B, axis_name, layout)
+    states = [jnp.zeros_like(B[:, 0])]
+    for c in range(maps_A.shape[1] - 1):
+        states.append(maps_A[:, c] @ states[-1] + maps_B[:, c])
+    n, r = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    mine = jnp.array([r] if layout == "contiguous" else [r, 2 * n - 1 - r])  # chunks(layout, n, r)
+    return jnp.take(jnp.stack(states, axis=1), mine, axis=1)
+
+
+def _check_state(A, B, layout):
+    _check_shard(A, layout)
+    k = 1 if layout == "contiguous" else 2
+    if A.ndim < 4 or A.shape[1] != k or A.shape[-1] != A.shape[-2]:
+        raise ValueError(f"`A` must be [batch, {k}, ..., m, m] for layout={layout!r}, got shape {A.shape}")
+    if B.shape[:-1] != A.shape[:-1] or B.dtype != A.dtype:
+        raise ValueError(f"`B` must be [*A.shape[:-1], p] in A's dtype {A.dtype}, got {B.shape} {B.dtype}")

@@ -63,3 +63,34 @@ def run(name, x, n, cotangent=None, **kwargs):
     """One evaluation: (outputs [n, B, T, ...], grad [B, n*L, ...] or None)."""
     ys, grads = run_many(name, x, n, [kwargs], None if cotangent is None else [cotangent])
     return ys[0], None if grads is None else grads[0]
+
+
+@functools.cache
+def _state_program(n, layout):
+    per_device = jax.shard_map(
+        lambda A, B: jax_reference.gather_state(A, B, "cp", layout)[None],
+        mesh=_mesh(n),
+        in_specs=(P(None, "cp"), P(None, "cp")),
+        out_specs=P("cp"),
+    )
+
+    def forward_and_vjp(A, B, cotangent):
+        y, vjp = jax.vjp(per_device, A, B)
+        return y, vjp(cotangent)
+
+    return jax.jit(forward_and_vjp)
+
+
+def run_state(A, B, n, layout, cotangent):
+    """gather_state on n devices: A [batch, n*k, ..., m, m] and B [..., m, p] in device order (device
+    r's k maps at rows r*k ..), cotangent [n, batch, k, ..., m, p] -> (states [n, batch, k, ..., m,
+    p], (grad A, grad B) in device order)."""
+    mesh = _mesh(n)
+    with jax.set_mesh(mesh):
+        spec = NamedSharding(mesh, P(None, "cp"))
+        y, (gA, gB) = _state_program(n, layout)(
+            jax.device_put(A, spec),
+            jax.device_put(B, spec),
+            jax.device_put(cotangent, NamedSharding(mesh, P("cp"))),
+        )
+        return np.asarray(y), (np.asarray(gA), np.asarray(gB))

@@ -28,6 +28,7 @@ QUICK = {  # family: (what it exercises, its verdict)
     "opt": ("a causal LM calling its decoder directly; positions counting real tokens", "exact"),
     "roberta": ("positions from the padding index and the pad tokens", "exact"),
     "gemma3": ("a multimodal model given text", "exact"),
+    "qwen2_moe": ("a sliding mask made for the mapping (window 0) that no layer takes", "exact"),
     "doge": ("an attention that edits its mask", "refused"),
     "qwen3_next": ("a recurrence", "refused"),
 }

@@ -282,6 +282,7 @@ def test_public_names():
         "gather_halo",
         "gather_metadata",
         "gather_sequence",
+        "gather_state",
         "halo_plan",
     ]
     from torch_impl import _GatherHalo, _GatherSequence, attention, hf

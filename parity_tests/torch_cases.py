@@ -145,3 +145,55 @@ def halo_bytes(group, halo_sizes, L, D, layout="contiguous", compiled=True):
         dist.barrier(group)
         out.append(row)
     return out
+
+
+def state(group, configs):
+    """gather_state on this rank's maps: config A, B (device order: rank r's k maps at rows r*k ..),
+    dtype, layout, cotangents (per rank) -> per config the states, the gradients of A and B, whether
+    an input was mutated, and the bytes received per direction (counted at the c10d calls)."""
+    from cp_support.traffic import PayloadCounter
+
+    n, r, out = dist.get_world_size(group), dist.get_rank(group), []
+    for c in configs:
+        k = c["A"].shape[1] // n
+        A, B = (
+            torch.from_numpy(np.ascontiguousarray(c[name][:, r * k : (r + 1) * k])).to(DTYPES[c["dtype"]])
+            for name in ("A", "B")
+        )
+        A.requires_grad_(True), B.requires_grad_(True)
+        before = (A.detach().clone(), B.detach().clone())
+        with PayloadCounter() as counter:
+            counter.tag = ("forward",)
+            y = torch_impl.gather_state(A, B, group, layout=c["layout"])
+            counter.tag = ("backward",)
+            if y.requires_grad:  # not without CP under contiguous: zeros
+                y.backward(torch.from_numpy(c["cotangents"][r]).to(y.dtype))
+        received = {}
+        for call in counter.log:
+            received[call.tag[0]] = received.get(call.tag[0], 0) + call.received
+        out.append(
+            {
+                "y": y.detach().clone(),
+                "grads": tuple(torch.zeros_like(t) if t.grad is None else t.grad for t in (A, B)),
+                "mutated": not (torch.equal(A.detach(), before[0]) and torch.equal(B.detach(), before[1])),
+                "received": received,
+            }
+        )
+    return out
+
+
+def bad_state(group, calls):
+    """Each (A shape, B shape, dtype of B, layout, validate, per-rank B width or None) must raise
+    ValueError on every rank before the state moves; returns the messages, then a good gather's."""
+    messages = []
+    for a_shape, b_shape, b_dtype, layout, validate, widths in calls:
+        if widths is not None:
+            b_shape = (*b_shape[:-1], widths[dist.get_rank(group)])
+        A, B = torch.zeros(a_shape), torch.zeros(b_shape, dtype=DTYPES[b_dtype])
+        try:
+            torch_impl.gather_state(A, B, group, layout=layout, validate=validate)
+            messages.append(None)
+        except ValueError as e:
+            messages.append(str(e))
+    y = torch_impl.gather_sequence(torch.full((1, 2, 3), dist.get_rank(group) + 1.0), group)
+    return messages, y[0, :, 0].tolist()

@@ -58,6 +58,7 @@ GROUPINGS = [("block", n) for n in (1, 2, 3, 4, 8)] + [
     ("strided4", 2),
     ("first", 2),
     ("first", 4),
+    *(("first", n) for n in (5, 6, 7)),  # the world sizes that do not tile the pool (gather_state)
 ]
 
 

@@ -10,6 +10,9 @@ rank r holding x: [batch, L, ...] with the global tokens [r*L, (r+1)*L); with `l
 | `gather_halo`     | p2p: only the preceding window  | p2p back to the owners, added            |
 |                   | (compiled: one all_to_all)      | (compiled: the reverse all_to_all)       |
 | `gather_metadata` | all_gather_single               | none (inputs must not require grad)      |
+| `gather_state`    | all_gather_single of each       | reduce_scatter_single: each map's        |
+|                   | chunk's recurrence map (A, B),  | gradient summed on its owner             |
+|                   | folded in global chunk order    |                                          |
 
 `jax_reference` defines these semantics; the parity suite checks this package against it. The
 autograd Functions `_GatherHalo` and `_GatherSequence` (as the project's API specification names
@@ -24,6 +27,7 @@ from torch_impl.halo import _GatherHalo as _GatherHalo  # importable, not public
 from torch_impl.metadata import gather_metadata
 from torch_impl.sequence import _GatherSequence as _GatherSequence  # importable, not public
 from torch_impl.sequence import gather_sequence
+from torch_impl.state import gather_state
 
 __version__ = "0.1.0"
-__all__ = ["Transfer", "gather_halo", "gather_metadata", "gather_sequence", "halo_plan"]
+__all__ = ["Transfer", "gather_halo", "gather_metadata", "gather_sequence", "gather_state", "halo_plan"]

@@ -1,6 +1,7 @@
 """gather_halo: only the preceding causal window, by point-to-point transport, with exact gradients."""
 
 from collections.abc import Sequence
+import functools
 from typing import NamedTuple
 
 import torch
@@ -162,6 +163,15 @@ def halo_all_to_all(x, group, halo_size, left_padding=0, layout="contiguous"):
     return torch.cat(segments).transpose(0, 1)  # [B, sum_k (left_padding + h_k + C), ...]
 
 
+@functools.lru_cache(maxsize=1024)
+def _exchange(n, r, local_len, halo_size, left_padding, layout):
+    """halo_plan and rank r's windows, computed once per shape and reach (every layer of a kind, and
+    every step of a run, asks the same; halo_size an int or a tuple)."""
+    return halo_plan(n, local_len, halo_size, layout), ShardPlan.of(layout, n, r, local_len).windows(
+        halo_size, left_padding
+    )
+
+
 class _GatherHalo(torch.autograd.Function):
     """Exchange only the preceding windows and return their gradients to their owners.
 
@@ -175,8 +185,8 @@ class _GatherHalo(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, halo_size, left_padding, layout):
         n, r, L = _group.world_size(group), _group.rank(group), x.shape[1]
-        ctx.group, ctx.plan = group, halo_plan(n, L, halo_size, layout)
-        ctx.windows = ShardPlan.of(layout, n, r, L).windows(halo_size, left_padding)
+        ctx.group = group
+        ctx.plan, ctx.windows = _exchange(n, r, L, halo_size, left_padding, layout)
         return _halo_forward(x, group, ctx.plan, ctx.windows)
 
     @staticmethod

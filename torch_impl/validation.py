@@ -24,7 +24,7 @@ from torch_impl import _group
 from torch_impl import layout as layouts
 
 ENV_VAR = "CP_TRANSPORT_VALIDATE"
-_FUNCTIONS = ("gather_sequence", "gather_halo", "gather_metadata")
+_FUNCTIONS = ("gather_sequence", "gather_halo", "gather_metadata", "gather_state")
 _MAX_DIMS = 8  # shape dims sent as they are; any beyond are folded into one checksum
 _DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "meta", "hpu", "mtia", "privateuseone")
 
@@ -58,7 +58,33 @@ def check_halo_size(halo_size, layout, world_size):
         )
 
 
+def check_state(maps, layout):
+    """gather_state's (A, B): A [batch, k, ..., m, m], B [batch, k, ..., m, p], k the layout's local
+    chunks (1; 2 under head_tail), one dtype and device."""
+    A, B = maps
+    for name, t in (("A", A), ("B", B)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise ValueError(
+                f"`{name}` must be a floating-point torch.Tensor, got {getattr(t, 'dtype', type(t))}"
+            )
+    layouts.check(layout)
+    k = 1 if layout == "contiguous" else 2
+    if A.dim() < 4 or A.shape[1] != k or A.shape[-1] != A.shape[-2]:
+        raise ValueError(
+            f"`A` must be [batch, {k}, ..., m, m] (one square map per local chunk of layout={layout!r}), "
+            f"got shape {tuple(A.shape)}"
+        )
+    if B.shape[:-1] != A.shape[:-1] or B.dtype != A.dtype or B.device != A.device:
+        raise ValueError(
+            f"`B` must be [{', '.join(map(str, A.shape[:-1]))}, p] on A's dtype and device ({A.dtype}, "
+            f"{A.device}), got {tuple(B.shape)} {B.dtype} {B.device}"
+        )
+
+
 def check_local(function, x, halo_size=None, left_padding=None, layout="contiguous", world_size=1):
+    if function == "gather_state":
+        check_state(x, layout)
+        return
     check_shard(x)
     layouts.check(layout, x.shape[1])
     if function == "gather_halo":
@@ -138,9 +164,14 @@ FIELDS = (
 
 def encode(function, x, halo_size, left_padding, layout):
     """{field: int} for one call (FIELDS), whatever its arguments (a rank whose own are wrong still
-    sends its signature, so that its peers can name it)."""
+    sends its signature, so that its peers can name it). gather_state's (A, B) is described as the
+    buffer it sends: [..., m, m + p]."""
+    shape = None
+    if isinstance(x, tuple) and all(isinstance(t, torch.Tensor) and t.dim() for t in x):
+        shape = [*x[0].shape[:-1], x[0].shape[-1] + x[1].shape[-1]]
+    x = x[0] if isinstance(x, tuple) and x else x
     tensor = isinstance(x, torch.Tensor)
-    shape = list(x.shape) if tensor else []
+    shape = shape if shape is not None else list(x.shape) if tensor else []
     dims = shape[:_MAX_DIMS] + [-1] * (_MAX_DIMS - len(shape))
     if len(shape) > _MAX_DIMS:
         dims[-1] = _code(str(shape[_MAX_DIMS - 1 :]))
@@ -190,6 +221,7 @@ def _compare(ok, fields, x, group, local=()):
 
 def _exchange(values, x, group):
     """Every rank's values, in group-rank order: one all_gather_single of int64s."""
+    x = x[0] if isinstance(x, tuple) and x else x
     if isinstance(x, torch.Tensor):
         device = x.device
     else:

@@ -1,10 +1,13 @@
-"""Full and sliding-window attention layers: the registered attention and mask functions.
+"""Full, sliding-window and chunked attention layers: the registered attention and mask functions.
 
-Rank r's keys arrive by `fetch_keys` (full: gather_sequence; a window W: gather_halo(W - 1); packed
-documents: gather_halo of each chunk's reach back to its document's start) as a
-`Keys` value that says, per chunk the rank holds (torch_impl.layout.ShardPlan: one contiguous, two
-under head_tail), which of its rows that chunk attends over; each chunk's queries attend over them
-at their global rows through torch_impl.attention, or, for layers whose math it does not compute,
+Once per forward and kind of layer, the mask function (`local_mask`) makes a `LocalMask` from the
+forward's `Context`: how far back that kind's keys reach (full: the causal prefix; a window W: W - 1;
+packed documents or attention chunks: each chunk's reach back to its document's or attention
+chunk's start) and, per chunk the rank holds (torch_impl.layout.ShardPlan: one contiguous, two under
+head_tail), which rows of the fetched keys it attends over and their padding, fetched once here
+for every layer of the kind. Each layer then fetches its K and V in one exchange (`fetch_kv`:
+gather_sequence or gather_halo of both side by side) and attends per chunk at global rows
+(`attend_chunks`) through torch_impl.attention, or, for layers whose math it does not compute,
 through the model's own function on a dense [C, T] mask (`attend`).
 """
 

@@ -1,5 +1,7 @@
 """Causal depthwise short convolutions (LFM2's `Lfm2ShortConv`): their kernel - 1 preceding tokens."""
 
+import functools
+
 import torch
 
 from torch_impl import _group
@@ -28,11 +30,9 @@ class ShortConvHalo:
 
     def local_len(self, T):
         """The L whose halo output is T rows long (the hooks keep no state between them: a
-        compiled, checkpointed layer may not carry it out of its graph)."""
-        for L in range(max(1, T - 2 * self.halo_size), T + 1):
-            if (self.layout == "contiguous" or L % 2 == 0) and self.windows(L)[-1].segment.stop == T:
-                return L
-        raise ValueError(f"no local length gives a short-conv halo of {T} rows")
+        compiled, checkpointed layer may not carry it out of its graph); found once per shape."""
+        n, r = _group.world_size(self.group), _group.rank(self.group)
+        return _local_len(n, r, T, self.halo_size, self.layout)
 
     def before(self, module, args, kwargs):
         x = self.arguments.get(args, kwargs, "hidden_states")  # [B, L, D]
@@ -48,3 +48,14 @@ class ShortConvHalo:
     def after(self, module, args, kwargs, output):
         kept = [output[:, w.own] for w in self.windows(self.local_len(output.shape[1]))]  # [B, C, D] each
         return kept[0] if len(kept) == 1 else torch.cat(kept, dim=1)  # [B, L, D]
+
+
+@functools.cache
+def _local_len(n, r, T, halo_size, layout):
+    """ShortConvHalo.local_len's search: at most 2 * halo_size + 1 candidate lengths."""
+    for L in range(max(1, T - 2 * halo_size), T + 1):
+        if layout == "head_tail" and L % 2:
+            continue
+        if ShardPlan.of(layout, n, r, L).windows(halo_size)[-1].segment.stop == T:
+            return L
+    raise ValueError(f"no local length gives a short-conv halo of {T} rows")
