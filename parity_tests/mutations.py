@@ -260,6 +260,20 @@ MUTATIONS += [
         "dict.fromkeys(_NOT_ISOLATING.split(), True)",
         ("parity_tests/test_hf.py", "-k", "packed_sequences_equal_one_process and gpt_oss"),
     ),
+    Mutation(  # the chunk's transition applied transposed
+        "state_map_transposed",
+        "torch_impl/state.py",
+        "torch.matmul(maps[:, c, ..., :m], states[-1])",
+        "torch.matmul(maps[:, c, ..., :m].transpose(-1, -2), states[-1])",
+        ("parity_tests/test_state.py", "-k", "parity and 4-contiguous"),
+    ),
+    Mutation(  # each chunk given the state of the chunk before it (one map short)
+        "state_from_the_chunk_before",
+        "torch_impl/state.py",
+        "mine = list(ShardPlan.of(layout, n, r, A.shape[1]).chunks)",
+        "mine = [max(c - 1, 0) for c in ShardPlan.of(layout, n, r, A.shape[1]).chunks]",
+        ("parity_tests/test_state.py", "-k", "parity and 2-head_tail"),
+    ),
 ]
 
 
