@@ -74,7 +74,7 @@ def cp_step(
         key = (*call.tag, dtype)
         received[key] = received.get(key, 0) + call.received
     grads = {key: p.grad for key, p in model.named_parameters()}
-    paths = [m.context_parallel.dense for m in model.modules() if hasattr(m, "context_parallel")]
+    paths = [m.context_parallel.fallback for m in model.modules() if hasattr(m, "context_parallel")]
     return {
         "logits": out.logits.detach(),
         "loss": out.loss.detach(),

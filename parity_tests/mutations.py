@@ -90,22 +90,22 @@ MUTATIONS = [
     Mutation(
         "document_ids_one_token_late",
         "torch_impl/hf/inputs.py",
-        "ids = find_packed_sequence_indices(everywhere)  #",
-        "ids = F.pad(find_packed_sequence_indices(everywhere)[:, :-1], (1, 0))  #",
+        "documents = packed_ids(everywhere)  # [B, S]",
+        "documents = F.pad(packed_ids(everywhere)[:, :-1], (1, 0))  # [B, S]",
         ("parity_tests/test_hf.py", "-k", "packed_sequences_equal and deepseek_v32"),
     ),
     Mutation(
         "full_attention_drops_the_padding",
         "torch_impl/hf/attention.py",
-        "padding = None if padding is None else gather_metadata(padding, group, layout=layout)  # [B, S]",
+        "padding = gather_metadata(padding, group, layout=shard.layout)  # [B, S]",
         "padding = None  # [B, S]",
         ("parity_tests/test_hf.py", "-k", "(one_process_float64 or head_tail_layout) and llama"),
     ),
     Mutation(
         "indexed_attention_drops_the_padding",
         "torch_impl/hf/inputs.py",
-        "context = IndexedContext(self.group, L, padded, documents, self.layout)",
-        "context = IndexedContext(self.group, L, None, documents, self.layout)",
+        "context = IndexedContext(context, padded)",
+        "context = IndexedContext(context, None)",
         ("parity_tests/test_hf_indexed.py", "-k", "indexed_attention_with_left_padding and deepseek"),
     ),
 ]
@@ -115,15 +115,15 @@ MUTATIONS += [
     Mutation(  # packed rows' layers fetch their whole window or prefix: exact, but more bytes
         "packed_rows_ignore_the_documents_reach",
         "torch_impl/hf/inputs.py",
-        "documents = Documents(ids, _reach(ids, C))",
-        "documents = Documents(ids, None)",
+        "documents = Documents(documents, reaches.pop(0)) if values[-1] else None",
+        "documents = Documents(documents, (reaches.pop(0), None)[1]) if values[-1] else None",
         ("parity_tests/test_hf.py", "-k", "packed_rows_move_only"),
     ),
     Mutation(
         "document_reach_one_token_short",
         "torch_impl/layout.py",
-        "return tuple((starts - firsts).amax(dim=0).tolist())",
-        "return tuple(max(0, d - 1) for d in (starts - firsts).amax(dim=0).tolist())",
+        "return (starts - firsts).amax(dim=0)",
+        "return (starts - firsts).amax(dim=0).sub(1).clamp(min=0)",
         ("parity_tests/test_hf.py", "-k", "packed_sequences_equal and (gemma3 or deepseek_v32)"),
     ),
     Mutation(

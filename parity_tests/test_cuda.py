@@ -332,7 +332,7 @@ def test_hf_last_rank_runs_on_cuda(name, dtype, monkeypatch):
             assert out.logits.shape == (2, hf_models.SEQ_LEN // 4, hf_models.VOCAB)
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert all(g is not None and g.device.type == "cuda" for g in grads)
-    dense = [m.context_parallel.dense for m in model.modules() if hasattr(m, "context_parallel")]
+    dense = [m.context_parallel.fallback for m in model.modules() if hasattr(m, "context_parallel")]
     assert set(dense) == {None}
     if name in hf_models.INDEXED:
         assert ran == []

@@ -1,6 +1,8 @@
 """torch_impl.layout against brute force: which global rows a rank holds, what a layer of reach h
 gives each of its chunks (ShardPlan), and how far back packed documents reach (document_reach)."""
 
+import os
+
 import pytest
 import torch
 
@@ -54,3 +56,13 @@ def test_document_reach_against_brute_force():
     assert document_reach(documents, 3) == (0, 3, 6, 1)  # row 0's first document spans chunks 0-2
     with pytest.raises(ValueError, match="non-decreasing"):
         document_reach(torch.tensor([[0, 0, 1, 0]]), 2)
+
+
+def test_every_mutation_still_applies():
+    """Each of `make mutants`' plausible bugs changes text that occurs exactly once in its file, so
+    that the code moving on cannot silently leave a mutation applying nowhere."""
+    from parity_tests.mutations import MUTATIONS, ROOT
+
+    for m in MUTATIONS:
+        with open(os.path.join(ROOT, m.path)) as f:
+            assert f.read().count(m.old) == 1, (m.name, m.path)

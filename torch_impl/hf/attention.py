@@ -59,13 +59,13 @@ class LocalMask(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class AttentionPlan:
+class AttentionSetup:
     """Set on each attention module by `parallelize`: its CP group and the model's own math."""
 
     group: dist.ProcessGroup
     attend: Callable  # (module, q, k, v, mask, **kwargs) -> (out [B, L, H, D], weights)
     make_mask: Callable  # transformers' mask function for `attend` (sdpa_mask or eager_mask)
-    dense: str | None  # why this layer keeps `attend` on a dense [L, T] mask; None: torch_impl.attention
+    fallback: str | None  # why this layer keeps `attend` on a dense [L, T] mask; None: torch_impl.attention
     layout: str = "contiguous"  # which global rows the rank holds (torch_impl.layout)
     query_scale: Callable | None = None  # positions -> the per-row factor the module gave its queries
 
@@ -194,8 +194,8 @@ def attend(module, query, key, value, keys, window, **kwargs):
     padding and documents `keys` (ChunkKeys) holds. Returns ([B, C, H, D], weights).
     """
     w, padding, documents = keys.chunk, keys.padding, keys.documents
-    plan, B, C = module.context_parallel, query.shape[0], query.shape[2]
-    if plan.dense is None and not kwargs.get("dropout", 0.0) > 0:
+    setup, B, C = module.context_parallel, query.shape[0], query.shape[2]
+    if setup.fallback is None and not kwargs.get("dropout", 0.0) > 0:
         check_fused_kwargs(module, kwargs)
         out = causal_attention(
             query,
@@ -216,7 +216,7 @@ def attend(module, query, key, value, keys, window, **kwargs):
         documents = F.pad(documents, (w.first_key, 0))  # [B, end]
         mask_function = and_masks(mask_function, packed_sequence_mask_function(documents))
     padding = None if padding is None else F.pad(padding, (w.first_key, 0))  # [B, end]: by global row
-    mask = plan.make_mask(
+    mask = setup.make_mask(
         batch_size=B,
         q_length=C,
         kv_length=key.shape[2],
@@ -229,7 +229,7 @@ def attend(module, query, key, value, keys, window, **kwargs):
         device=query.device,
         config=module.config,
     )  # [B, 1, C, T]
-    return plan.attend(module, query, key, value, mask, **kwargs)
+    return setup.attend(module, query, key, value, mask, **kwargs)
 
 
 def check_fused_kwargs(module, kwargs):
@@ -244,8 +244,8 @@ def check_fused_kwargs(module, kwargs):
 
 
 def check_call(module, attention_mask):
-    """The plan `parallelize` set on the module, and the mask this implementation's mask function made."""
-    if not isinstance(getattr(module, "context_parallel", None), AttentionPlan):
+    """The setup `parallelize` set on the module, and the mask this implementation's mask function made."""
+    if not isinstance(getattr(module, "context_parallel", None), AttentionSetup):
         raise ValueError(
             f"{type(module).__name__} uses attention `{IMPLEMENTATION}` but was not prepared by "
             "torch_impl.hf.parallelize"
@@ -270,11 +270,11 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     if isinstance(attention_mask, IndexedContext):
         check_fused_kwargs(module, kwargs)
         return indexed_attention(module, query, key, value, attention_mask, **kwargs)
-    plan, shard = module.context_parallel, attention_mask.context.shard
-    if plan.query_scale is not None:  # scaled by local rows: rescaled to the global ones
+    setup, shard = module.context_parallel, attention_mask.context.shard
+    if setup.query_scale is not None:  # scaled by local rows: rescaled to the global ones
         rows = shard.rows(query.device)  # [L]
         local, wanted = (
-            plan.query_scale(t).to(query.dtype) for t in (torch.arange(len(rows), device=query.device), rows)
+            setup.query_scale(t).to(query.dtype) for t in (torch.arange(len(rows), device=query.device), rows)
         )
         query = query / local[:, None] * wanted[:, None]  # [B, H, L, D]
     key, value = fetch_kv(attention_mask.context, key, value, attention_mask.reach)  # [B, Hkv, T, D]

@@ -16,7 +16,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from torch_impl import _group
 from torch_impl.hf._common import IMPLEMENTATION, INDEXED
-from torch_impl.hf.attention import AttentionPlan, temperature_scale
+from torch_impl.hf.attention import AttentionSetup, temperature_scale
 from torch_impl.hf.documents import isolates_documents
 from torch_impl.hf.indexed import AbsorbedMLA, BlockedIndexer, mix
 from torch_impl.hf.inputs import MaskCountPositions, ModelInputs, PaddingIndexPositions, Positions
@@ -131,7 +131,7 @@ def _check_indexed(name, module):
         raise _refuse(name, module, f"is an {INDEXED!r} layer with attention dropout, which is not supported")
 
 
-def _attention_plan(name, module, group, layout, dense=False):
+def _attention_setup(name, module, group, layout, dense=False):
     if _layer_type(module) == INDEXED:
         _check_indexed(name, module)
     implementation = module.config._attn_implementation
@@ -150,7 +150,7 @@ def _attention_plan(name, module, group, layout, dense=False):
         )
     reason = "parallelize(dense=True)" if dense and _layer_type(module) != INDEXED else None
     make_mask = ALL_MASK_ATTENTION_FUNCTIONS[implementation]
-    return AttentionPlan(group, attend, make_mask, reason, layout, temperature_scale(module))
+    return AttentionSetup(group, attend, make_mask, reason, layout, temperature_scale(module))
 
 
 def _towers(model):
@@ -168,8 +168,8 @@ def _towers(model):
     return found
 
 
-def _plan(model, decoder, group, layout, dense=False):
-    """(attention modules with their plans, short convs): every token-mixing module, or ValueError."""
+def _layers(model, decoder, group, layout, dense=False):
+    """(attention modules with their setups, short convs): every token-mixing module, or ValueError."""
     if not type(model)._can_set_attn_implementation():
         raise _refuse("", model, "does not route its attention through transformers' AttentionInterface")
     attentions, convs, skipped, towers = [], {}, [], _towers(model)
@@ -183,7 +183,7 @@ def _plan(model, decoder, group, layout, dense=False):
         if kind == "attention" and module.config is not decoder.config:  # the one parallelize switches
             raise _refuse(name, module, "reads an attention config other than its language model's")
         if kind == "attention":
-            attentions.append((module, _attention_plan(name, module, group, layout, dense)))
+            attentions.append((module, _attention_setup(name, module, group, layout, dense)))
         elif kind == "short_conv":
             convs[name] = module
     _check_configs(model, towers)
@@ -191,16 +191,17 @@ def _plan(model, decoder, group, layout, dense=False):
 
 
 def apply_attention(decoder, attentions):
-    """Every attention module gets its plan; the language model switches to the registered
+    """Every attention module gets its setup; the language model switches to the registered
     implementation (its own config: its encoders keep theirs). Returns which math each layer kind
     takes."""
     paths = {}
-    for module, plan in attentions:
-        module.context_parallel = plan
+    for module, setup in attentions:
+        module.context_parallel = setup
         kind = _layer_type(module) or type(module).__name__
-        paths[kind] = "torch_impl.attention" if plan.dense is None else f"dense [L, T] mask ({plan.dense})"
+        fallback = setup.fallback
+        paths[kind] = "torch_impl.attention" if fallback is None else f"dense [L, T] mask ({fallback})"
         dropout = getattr(module.config, "attention_dropout", 0.0)
-        if plan.dense is None and dropout > 0:  # the fused math applies no dropout
+        if fallback is None and dropout > 0:  # the fused math applies no dropout
             paths[kind] += f"; in train mode a dense [L, T] mask (attention dropout {dropout})"
         if kind == INDEXED:
             paths[kind] = "blocked indexer, absorbed sparse attention over the causal prefix's latents"
@@ -315,7 +316,7 @@ def parallelize(
     decoder = _decoder(model)
     if decoder.config._attn_implementation == IMPLEMENTATION:
         raise _refuse("", model, "is already context-parallel")
-    attentions, convs = _plan(model, decoder, group, layout, dense)
+    attentions, convs = _layers(model, decoder, group, layout, dense)
     hooked = _hooked(model, decoder)
     apply_inputs(model, decoder, hooked, group, validate, layout, isolate_documents)
     paths = apply_attention(decoder, attentions) | apply_short_conv(convs, group, layout)
