@@ -242,7 +242,6 @@ def tiled_attention(
     """
     B, H, L, D = query.shape
     groups = H // key.shape[1]
-    key, value = key.contiguous(), value.contiguous()  # strided keys (K beside V) slow the fused op
     plan, visible = _plan(query, key, q_start, k_start, window, documents, padding, softcap)
     work = _work(query.dtype)
     out = query.new_empty(B, H, L, D)  # [B, H, L, D]
@@ -288,7 +287,6 @@ def tiled_attention_backward(
     grad_sinks is empty without sinks."""
     B, Hkv, T, D = key.shape
     groups = query.shape[1] // Hkv
-    key, value = key.contiguous(), value.contiguous()  # as in the forward
     plan, visible = _plan(query, key, q_start, k_start, window, documents, padding, softcap)
     work = _work(query.dtype)
     lse = lse.masked_fill(lse == -math.inf, math.inf)  # rows that saw nothing: every weight 0
