@@ -397,3 +397,26 @@ def host_reads(group, name, state, batch, validate, layout="contiguous"):
     with HostReads() as reads:
         model(**local).loss.backward()
     return reads.library, reads.others
+
+
+def mask_function_calls(group, name, state, batch):
+    """The c10d calls made inside the adapter's mask function during one forward and backward (the
+    registered function wrapped for the case, restored after)."""
+    from transformers import AttentionMaskInterface
+
+    original = AttentionMaskInterface._global_mapping[hf_attention.IMPLEMENTATION]
+    counter = PayloadCounter()
+
+    def counted(*args, **kwargs):
+        with counter:
+            return original(*args, **kwargs)
+
+    AttentionMaskInterface.register(hf_attention.IMPLEMENTATION, counted)
+    try:
+        model = hf_models.build(name)
+        model.load_state_dict(state)
+        hf.parallelize(model, group, verbose=False)
+        model(**hf.shard_batch(batch, group)).loss.backward()
+    finally:
+        AttentionMaskInterface.register(hf_attention.IMPLEMENTATION, original)
+    return counter.calls

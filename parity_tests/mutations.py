@@ -97,15 +97,15 @@ MUTATIONS = [
     Mutation(
         "full_attention_drops_the_padding",
         "torch_impl/hf/attention.py",
-        "padding = gather_metadata(padding, group, layout=shard.layout)  # [B, S]",
-        "padding = None  # [B, S]",
+        "padding = None if attention_mask is None else context.padding  # bool [B, S]",
+        "padding = None  # bool [B, S]",
         ("parity_tests/test_hf.py", "-k", "(one_process_float64 or head_tail_layout) and llama"),
     ),
     Mutation(
         "indexed_attention_drops_the_padding",
-        "torch_impl/hf/inputs.py",
-        "context = IndexedContext(context, padded)",
-        "context = IndexedContext(context, None)",
+        "torch_impl/hf/indexed.py",
+        "self.padding = context.padding  # bool [B, S] by global position, or None",
+        "self.padding = None  # bool [B, S] by global position, or None",
         ("parity_tests/test_hf_indexed.py", "-k", "indexed_attention_with_left_padding and deepseek"),
     ),
 ]

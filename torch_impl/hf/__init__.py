@@ -14,19 +14,22 @@ attention implementation (`config._attn_implementation = "cp_transport"`, throug
 
 | layer kind                              | forward transport (rank r)    | the math                  |
 |-----------------------------------------|-------------------------------|---------------------------|
-| full causal attention                   | K, V: gather_sequence;        | torch_impl.attention over |
-|                                         | padding mask: gather_metadata | the keys up to its own,   |
-| sliding-window attention, window W      | K, V: gather_halo(W - 1);     | queries at r*L, keys at   |
-| (a query sees W keys, itself included)  | padding mask: gather_halo     | their global rows         |
-| chunked attention, chunk C (Llama 4)    | K, V, padding mask: each      | torch_impl.attention with |
-|                                         | chunk's reach back to its     | the attention chunks as   |
-|                                         | attention chunk's start       | documents                 |
+| full causal attention                   | K and V side by side in one   | torch_impl.attention over |
+|                                         | gather_sequence               | the keys up to its own,   |
+| sliding-window attention, window W      | K and V in one                | queries at r*L, keys at   |
+| (a query sees W keys, itself included)  | gather_halo(W - 1)            | their global rows         |
+| chunked attention, chunk C (Llama 4)    | K and V: each chunk's reach   | torch_impl.attention with |
+|                                         | back to its attention chunk's | the attention chunks as   |
+|                                         | start                         | documents                 |
 | causal depthwise short conv, kernel K   | input, padding mask:          | the module's own forward; |
 | (LFM2's, LFM3's short convs)            | gather_halo(K - 1)            | the halo's outputs dropped|
 | DeepSeek Sparse Attention (DeepSeek     | MLA latents and indexer keys  | the model's own indexer,  |
 | V3.2, GLM-5: `indexed_attention`)       | of the causal prefix:         | blocked; sparse_mla_      |
 |                                         | gather_halo((n-1)*L)          | attention (absorbed MLA)  |
 |                                         |                               | over the picked latents   |
+
+The padding mask (the model's attention_mask) is gathered once per forward by the pre-hook, a
+byte a token, and every attention layer cuts its keys' rows from it.
 
 The model decides which layers slide: its mask factory (`create_sliding_window_causal_mask`) calls
 this implementation's mask function with the window, which returns a `LocalMask` that the model

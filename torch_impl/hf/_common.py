@@ -5,6 +5,8 @@ arguments by name in hooks."""
 import inspect
 from typing import NamedTuple
 
+import torch
+
 from torch_impl.layout import Documents, ShardPlan
 
 IMPLEMENTATION = "cp_transport"
@@ -22,6 +24,7 @@ class Context(NamedTuple):
     shard: ShardPlan  # which global rows this rank holds
     documents: Documents | None  # packed rows' documents, by global row
     chunks: Documents | None  # chunked-attention layers' attention chunks (within documents)
+    padding: torch.Tensor | None  # the attention_mask by global row, bool [B, S]; None: none given
     kinds: frozenset | None  # the attention layer types the model has; None: any mask it makes
 
 

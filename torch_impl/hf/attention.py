@@ -4,11 +4,12 @@ Once per forward and kind of layer, the mask function (`local_mask`) makes a `Lo
 forward's `Context`: how far back that kind's keys reach (full: the causal prefix; a window W: W - 1;
 packed documents or attention chunks: each chunk's reach back to its document's or attention
 chunk's start) and, per chunk the rank holds (torch_impl.layout.ShardPlan: one contiguous, two under
-head_tail), which rows of the fetched keys it attends over and their padding, fetched once here
-for every layer of the kind. Each layer then fetches its K and V in one exchange (`fetch_kv`:
-gather_sequence or gather_halo of both side by side) and attends per chunk at global rows
-(`attend_chunks`) through torch_impl.attention, or, for layers whose math it does not compute,
-through the model's own function on a dense [C, T] mask (`attend`).
+head_tail), which rows of the fetched keys it attends over and their padding, cut from the padding
+the pre-hook gathered once per forward (a mask function communicates nothing: some models make
+their masks in an order that differs between processes). Each layer then fetches its K and V in
+one exchange (`fetch_kv`: gather_sequence or gather_halo of both side by side) and attends per
+chunk at global rows (`attend_chunks`) through torch_impl.attention, or, for layers whose math
+it does not compute, through the model's own function on a dense [C, T] mask (`attend`).
 """
 
 from collections.abc import Callable
@@ -32,7 +33,6 @@ from torch_impl.halo import gather_halo
 from torch_impl.hf._common import IMPLEMENTATION, RUNNING, Context
 from torch_impl.hf.indexed import IndexedContext, indexed_attention
 from torch_impl.layout import Window
-from torch_impl.metadata import gather_metadata
 from torch_impl.sequence import gather_sequence
 
 
@@ -50,7 +50,7 @@ class ChunkKeys(NamedTuple):
 class LocalMask(NamedTuple):
     """What this implementation's mask function makes once per forward for each kind of layer, and
     the model routes to those layers: how far back their keys reach, and per local chunk which keys
-    its queries see. The padding mask travels here, once per kind, not in every layer."""
+    its queries see, with their padding and documents (cut from the forward's Context)."""
 
     context: Context  # the forward's, from the model's pre-hook
     window: int | None  # sliding window W (a query sees W keys, itself included); None: none
@@ -130,29 +130,29 @@ def local_mask(
     return make_mask(context, attention_mask, window, documents)
 
 
-def make_mask(context, padding, window, documents):
+def make_mask(context, attention_mask, window, documents):
     """The LocalMask of one kind of layer: the keys' reach (a window W: W - 1; full: the causal
     prefix; documents: back to the start of the document holding each chunk's first token, which
-    inside torch.compile is not read: no graph per batch) and, fetched the same way as the layers
-    will fetch K and V, the padding mask (padding: bool-able [B, L], or None)."""
-    shard, group = context.shard, context.group
+    inside torch.compile is not read: no graph per batch) and each chunk's keys' padding, from the
+    padding the pre-hook gathered (no communication here: the order in which a model makes its
+    masks may differ between processes). attention_mask: the model's [B, L] mask, or None."""
     reach = None if window is None else window - 1
     if documents is not None and documents.reach is not None:
         reach = documents.layer_reach(window)
-    if padding is not None:
-        padding = padding.bool()
-        if reach is None:
-            padding = gather_metadata(padding, group, layout=shard.layout)  # [B, S]
-        else:
-            padding = gather_halo(padding, group, reach, layout=shard.layout)  # [B, sum_k (h_k + C)]
+    if attention_mask is not None and context.padding is None:
+        raise ValueError(
+            f"`{IMPLEMENTATION}`: the model made its masks from an attention_mask that its inputs did "
+            "not have, whose other shards this rank cannot know"
+        )
+    padding = None if attention_mask is None else context.padding  # bool [B, S]
     chunks = tuple(
         ChunkKeys(
             w,
             rows,
-            None if padding is None else padding[:, rows],  # [B, T]
+            None if padding is None else padding[:, w.keys],  # [B, T]
             None if documents is None else documents.ids[:, w.keys],  # [B, T]
         )
-        for w, rows in _key_rows(shard, reach)
+        for w, rows in _key_rows(context.shard, reach)
     )
     return LocalMask(context, window, reach, chunks)
 

@@ -22,11 +22,11 @@ class IndexedContext:
     activations, so checkpointed layers recompute exactly what they computed.
     """
 
-    def __init__(self, context, padding):
+    def __init__(self, context):
         self.shard, self.group, documents = context.shard, context.group, context.documents
         self.local_len, self.layout = self.shard.local_len, self.shard.layout
         self.rows = self.shard.rows()  # int64 [L]: the queries' global rows
-        self.padding = padding  # bool [B, S] by global position, or None
+        self.padding = context.padding  # bool [B, S] by global position, or None
         self.documents = None if documents is None else documents.ids  # int [B, S], or None
         self.reach = None if documents is None else documents.reach  # per global chunk, or None
         self._trimmed = self._keys()

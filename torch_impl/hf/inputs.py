@@ -193,9 +193,10 @@ class ModelInputs:
         if packed and self.isolates:  # as one process would
             everywhere = gather(positions.expand(B, -1).contiguous())  # [B, S]
             documents = packed_ids(everywhere)  # [B, S]
-        padded = None  # bool [B, S]: the attention_mask, gathered once where something needs it
-        if padding is not None and (self.chunk or self.positions.needs_padding or self.indexed):
-            padded = gather(padding.bool())
+        # bool [B, S]: the attention_mask, gathered here once per forward for every layer (a byte a
+        # token), not by the mask functions, which some models call in an order that differs
+        # between processes (over a set of layer types)
+        padded = None if padding is None else gather(padding.bool())
         if positions is None:
             ids = argument("input_ids") if self.positions.needs_ids else None
             rows = shard.rows(tokens.device)[None]  # [1, L]: this rank's global rows
@@ -205,11 +206,11 @@ class ModelInputs:
             S = L * _group.world_size(self.group)
             chunks = chunk_ids(self.chunk, padded, documents, everywhere, B, S, tokens.device)  # [B, S]
         documents, chunks = _documents(documents, chunks, shard.chunk_len)
-        context = Context(self.owner, self.group, shard, documents, chunks, self.kinds)
+        context = Context(self.owner, self.group, shard, documents, chunks, padded, self.kinds)
         self.outer.append(RUNNING.context)
         RUNNING.context = context
         if self.indexed:
-            context = IndexedContext(context, padded)
+            context = IndexedContext(context)
             return self.arguments.replace(
                 args,
                 kwargs,
