@@ -257,7 +257,7 @@ def apply_inputs(model, decoder, hooked, group, validate, layout="contiguous", i
     positions = _positions(model, decoder)
     isolates = isolates_documents(hooked) if isolates is None else isolates
     types = getattr(decoder.config, "layer_types", None)
-    kinds = None if not types else frozenset(types)  # a mask of another kind reaches no layer (made empty)
+    kinds = None if not types else frozenset(types)  # a mask of another kind reaches no layer
     for module in hooked:
         hook = ModelInputs(
             module, id(model), group, indexed, validate, layout, positions, chunk, isolates, kinds
