@@ -1,6 +1,6 @@
 """What each gloo rank runs for the hf tests: a tiny transformers model made CP by torch_impl.hf."""
 
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -8,6 +8,7 @@ from transformers import DynamicCache
 
 from cp_support.traffic import PayloadCounter, tag_layers
 from parity_tests import hf_models
+from parity_tests.hf_reference import float64_steps
 import torch_impl
 from torch_impl import hf
 from torch_impl.hf import attention as hf_attention
@@ -43,13 +44,13 @@ def cp_step(
     model.load_state_dict(state)
     model.train(mode != "eval")
     if mode == "train_ac":
-        model.activation_checkpointing_enable()
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=_steps(model, {"use_reentrant": False}))
     hf.parallelize(model, group, layout=layout, dense=dense, **more)
     for module in model.modules():
         if query_block is not None and isinstance(module, BlockedIndexer):
             module.query_block = query_block
     if mode in ("train_ac_saved", "train_ac_compiled"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=hf.checkpoint_kwargs())
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=_steps(model, hf.checkpoint_kwargs()))
     if mode == "train_ac_compiled":
         for layer in model.model.layers:
             layer.compile(fullgraph=True)
@@ -60,6 +61,7 @@ def cp_step(
         counter.tag = ("forward", "inputs")  # before the first layer: the model's inputs (positions)
     fused = CallCounter(hf_attention, "causal_attention")  # eager only: a compiled graph cannot count calls
     with (
+        float64_steps(model),
         fused if mode != "train_ac_compiled" else nullcontext(),
         counter if mode == "eval" else nullcontext(),
     ):
@@ -84,6 +86,23 @@ def cp_step(
         "paths": paths,
         "fused_calls": fused.calls,
     }
+
+
+def _steps(model, kwargs):
+    """Checkpointing kwargs whose recomputation runs under float64_steps(model) as the forward does
+    (a function mode is not active in backward)."""
+    if isinstance(float64_steps(model), nullcontext):
+        return kwargs
+    inner = kwargs.get("context_fn", lambda: (nullcontext(), nullcontext()))
+    return kwargs | {"context_fn": lambda: tuple(_entered(float64_steps(model), c) for c in inner())}
+
+
+@contextmanager
+def _entered(*managers):
+    with ExitStack() as stack:
+        for manager in managers:
+            stack.enter_context(manager)
+        yield
 
 
 def exchange_calls(group, L, layout):
@@ -347,7 +366,7 @@ def compiled_layers(group, name, state, batch, backend, checkpointing=False):
         hf.parallelize(model, group)
         if checkpointing:
             model.train()
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=hf.checkpoint_kwargs())
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=_steps(model, hf.checkpoint_kwargs()))
         if compiled:  # GPT-OSS's eager experts route by data (no full graph): its attention alone
             for layer in model.model.layers:
                 (layer.self_attn if name == "gpt_oss" else layer).compile(backend=backend, fullgraph=True)

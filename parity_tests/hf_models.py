@@ -100,16 +100,39 @@ def _configs(head_dim=8):
         "glm_moe_dsa": lambda: _eager_experts(  # layer 1 reuses layer 0's top-k ("shared")
             tf.GlmMoeDsaForCausalLM(tf.GlmMoeDsaConfig(**_dsa(), indexer_types=["full", "shared"]))
         ),
-        # refused by parallelize
-        "qwen3_next": lambda: tf.Qwen3NextForCausalLM(
-            tf.Qwen3NextConfig(
-                **_small(num_hidden_layers=2),
-                layer_types=["linear_attention", "full_attention"],
-                num_experts=4,
-                linear_num_value_heads=2,
+        # Gated DeltaNet: grouped values (2 key heads, 4 value heads), dv != dk; conv kernel 4
+        "qwen3_5": lambda: tf.Qwen3_5ForCausalLM(
+            tf.Qwen3_5TextConfig(
+                **_small(num_hidden_layers=3),
+                layer_types=["linear_attention", "full_attention", "linear_attention"],
                 linear_num_key_heads=2,
+                linear_num_value_heads=4,
+                linear_key_head_dim=8,
+                linear_value_head_dim=12,
             )
         ),
+        # Kimi Delta Attention (a per-channel decay) with MLA full attention and MoE
+        "kimi_linear": lambda: _eager_experts(
+            tf.KimiLinearForCausalLM(
+                tf.KimiLinearConfig(
+                    **_small(num_hidden_layers=2, num_key_value_heads=4),
+                    moe_intermediate_size=16,
+                    kv_lora_rank=16,
+                    qk_rope_head_dim=8,
+                    qk_nope_head_dim=8,
+                    v_head_dim=8,
+                    num_experts=4,
+                    num_experts_per_token=2,
+                    mlp_layer_types=["dense", "sparse"],
+                    layer_types=["linear_attention", "full_attention"],
+                    linear_head_dim=8,
+                    linear_num_heads=4,
+                    pad_token_id=0,
+                    use_cache=False,
+                )
+            )
+        ),
+        # refused by parallelize
         "mamba": lambda: tf.MambaForCausalLM(
             tf.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=4, num_hidden_layers=2)
         ),
@@ -140,10 +163,9 @@ def _configs(head_dim=8):
     }
 
 
-SUPPORTED = ("gemma3", "gemma2", "mistral", "lfm2", "llama", "gpt_oss")
+SUPPORTED = ("gemma3", "gemma2", "mistral", "lfm2", "llama", "gpt_oss", "qwen3_5", "kimi_linear")
 INDEXED = ("deepseek_v32", "glm_moe_dsa")  # DeepSeek Sparse Attention
 REFUSED = {  # model -> what the error names
-    "qwen3_next": "model.layers.0.linear_attn (Qwen3NextGatedDeltaNet) carries recurrent state",
     "mamba": "(MambaForCausalLM) carries recurrent state",
     "t5": "encoder.block.0.layer.0.SelfAttention (T5Attention) is bidirectional or cross attention",
     "gemma3_bidirectional": "model.layers.0.self_attn (Gemma3Attention) is bidirectional",

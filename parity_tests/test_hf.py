@@ -44,7 +44,7 @@ def test_cp_model_equals_one_process_float32(pool, name):
 
 
 @pytest.mark.parametrize("mode", ["train", "train_ac"])
-@pytest.mark.parametrize("name", ["gemma3", "lfm2"])
+@pytest.mark.parametrize("name", ["gemma3", "lfm2", "qwen3_5"])
 def test_train_mode_and_activation_checkpointing_give_the_same_grads(pool, name, mode):
     ref = reference(name, "float64")
     (group_results,) = pool.run(("first", 4), hf_cases.cp_step, name, "float64", ref[0], ref[1], mode)

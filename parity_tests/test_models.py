@@ -30,7 +30,9 @@ QUICK = {  # family: (what it exercises, its verdict)
     "gemma3": ("a multimodal model given text", "exact"),
     "qwen2_moe": ("a sliding mask made for the mapping (window 0) that no layer takes", "exact"),
     "doge": ("an attention that edits its mask", "refused"),
-    "qwen3_next": ("a recurrence", "refused"),
+    "qwen3_next": ("Gated DeltaNet: the recurrent state from the earlier ranks, a conv halo", "exact"),
+    "olmo_hybrid": ("Gated DeltaNet with negative eigenvalues (beta up to 2)", "exact"),
+    "minimax": ("a linear attention the adapter does not know", "refused"),
 }
 
 

@@ -20,10 +20,18 @@ from torch_impl.hf.attention import AttentionSetup, temperature_scale
 from torch_impl.hf.documents import isolates_documents
 from torch_impl.hf.indexed import AbsorbedMLA, BlockedIndexer, mix
 from torch_impl.hf.inputs import MaskCountPositions, ModelInputs, PaddingIndexPositions, Positions
+from torch_impl.hf.recurrent import KERNELS, apply_recurrent, kernel_of
 from torch_impl.hf.short_conv import ShortConvHalo
 from torch_impl.layout import check as check_layout
 
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "conv", INDEXED)
+SUPPORTED_LAYER_TYPES = (
+    "full_attention",
+    "sliding_attention",
+    "chunked_attention",
+    "conv",
+    INDEXED,
+    "linear_attention",  # where each is a Gated DeltaNet or KDA (torch_impl.hf.recurrent)
+)
 # causal depthwise conv of in_proj's gated output
 SHORT_CONVS = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
 RECURRENT = re.compile(
@@ -33,7 +41,7 @@ RECURRENT = re.compile(
 REFUSED_ATTENTION = {
     "DogeAttention": "computes its mask itself, a top-k over every key of the 4-D attention mask",
 }
-RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "mamba2", "recurrent")
+RECURRENT_LAYER_TYPES = ("mamba", "mamba2", "recurrent")
 RECURRENCE = "carries recurrent state along the sequence, which CP cannot split exactly"
 # model types whose position_ids default to a count of real tokens (their learned position embeddings)
 MASK_COUNT_POSITIONS = ("opt",)
@@ -85,8 +93,8 @@ def _layer_type(module):
 
 
 def _kind(name, module):
-    """'attention', 'short_conv', or None for a module that mixes no tokens itself; ValueError for a
-    module that mixes them in a way CP cannot reproduce exactly."""
+    """'attention', 'short_conv', 'recurrent', or None for a module that mixes no tokens itself;
+    ValueError for a module that mixes them in a way CP cannot reproduce exactly."""
     layer_type = _layer_type(module)
     if layer_type is not None and layer_type not in SUPPORTED_LAYER_TYPES:
         raise _refuse(name, module, _unsupported([layer_type]))
@@ -100,8 +108,10 @@ def _kind(name, module):
         return "attention"
     if type(module).__name__ in SHORT_CONVS:
         return "short_conv"
-    if RECURRENT.search(type(module).__name__):
-        raise _refuse(name, module, RECURRENCE)
+    if kernel_of(module) is not None:
+        return "recurrent"
+    if RECURRENT.search(type(module).__name__) and not any(map(kernel_of, module.modules())):
+        raise _refuse(name, module, RECURRENCE)  # (a layer holding a linear attention it knows is not)
     if isinstance(module, (nn.Conv1d, nn.Conv2d)):
         raise _refuse(name, module, "is a convolution over the sequence that the adapter does not know")
     return None
@@ -169,13 +179,14 @@ def _towers(model):
 
 
 def _layers(model, decoder, group, layout, dense=False):
-    """(attention modules with their setups, short convs): every token-mixing module, or ValueError."""
+    """(attention modules with their setups, short convs, linear-attention modules): every
+    token-mixing module, or ValueError."""
     if not type(model)._can_set_attn_implementation():
         raise _refuse("", model, "does not route its attention through transformers' AttentionInterface")
-    attentions, convs, skipped, towers = [], {}, [], _towers(model)
+    attentions, whole, skipped, towers = [], {"short_conv": {}, "recurrent": {}}, [], _towers(model)
     for name, module in model.named_modules():
-        if any(name.startswith(f"{outer}.") for outer in [*convs, *skipped]):
-            continue  # inside a short conv, which is handled whole, or inside a non-text encoder
+        if any(name.startswith(f"{outer}.") for outer in [*whole["short_conv"], *whole["recurrent"], *skipped]):
+            continue  # inside a short conv or linear attention, handled whole, or a non-text encoder
         if id(getattr(module, "config", None)) in towers:
             skipped.append(name)
             continue
@@ -184,10 +195,18 @@ def _layers(model, decoder, group, layout, dense=False):
             raise _refuse(name, module, "reads an attention config other than its language model's")
         if kind == "attention":
             attentions.append((module, _attention_setup(name, module, group, layout, dense)))
-        elif kind == "short_conv":
-            convs[name] = module
+        elif kind is not None:
+            whole[kind][name] = module
     _check_configs(model, towers)
-    return attentions, list(convs.values())
+    linear = list(getattr(decoder.config, "layer_types", None) or ()).count("linear_attention")
+    if linear != len(whole["recurrent"]):
+        raise _refuse(
+            "",
+            model,
+            f"{RECURRENCE}: {linear} 'linear_attention' layers, of which {len(whole['recurrent'])} are "
+            f"Gated DeltaNet or KDA modules calling the chunked kernels {sorted(KERNELS)}",
+        )
+    return attentions, list(whole["short_conv"].values()), list(whole["recurrent"].values())
 
 
 def apply_attention(decoder, attentions):
@@ -276,6 +295,16 @@ def apply_short_conv(convs, group, layout="contiguous"):
     return {type(module).__name__: "its own forward over a halo of kernel - 1 tokens" for module in convs}
 
 
+def apply_linear_attention(modules, group, layout="contiguous"):
+    """Every linear-attention module runs its own forward with CP's conv and chunked kernel
+    (torch_impl.hf.recurrent). Returns which path they take."""
+    return {
+        type(module).__name__: f"{apply_recurrent(module, group, layout)}: its own forward, the conv over a "
+        "halo of kernel - 1 inputs, the chunked kernel from the earlier chunks' state (gather_state)"
+        for module in modules
+    }
+
+
 def parallelize(
     model: PreTrainedModel,
     group: _group.Group,
@@ -316,10 +345,14 @@ def parallelize(
     decoder = _decoder(model)
     if decoder.config._attn_implementation == IMPLEMENTATION:
         raise _refuse("", model, "is already context-parallel")
-    attentions, convs = _layers(model, decoder, group, layout, dense)
+    attentions, convs, linear = _layers(model, decoder, group, layout, dense)
     hooked = _hooked(model, decoder)
     apply_inputs(model, decoder, hooked, group, validate, layout, isolate_documents)
-    paths = apply_attention(decoder, attentions) | apply_short_conv(convs, group, layout)
+    paths = (
+        apply_attention(decoder, attentions)
+        | apply_short_conv(convs, group, layout)
+        | apply_linear_attention(linear, group, layout)
+    )
     model.cp_transport_paths = paths
     summary = (
         f"torch_impl.hf.parallelize: {type(model).__name__} over {_group.world_size(group)} CP ranks; "

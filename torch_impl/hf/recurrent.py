@@ -1,0 +1,116 @@
+"""Linear-attention layers (Gated DeltaNet: Qwen3.5, Qwen3-Next, OLMo hybrid; Kimi Delta Attention:
+Kimi Linear): the model's own forward, with its two sequence functions made context-parallel.
+
+Such a layer is a causal depthwise conv (kernel K) in front of a chunked linear recurrence whose
+state S is [dk, dv] per head. Over a rank's chunk of the sequence the recurrence is an affine map of
+the state it starts from, S_out = A S_in + B, and its outputs are o = o_0 + M S_in (o_0: the outputs
+from a zero state). One run of the model's own kernel gives all four: values widened by dk zero
+columns, initial state [0 | I] ([dk, dv + dk]); the value columns evolve independently, so the
+first dv columns are o_0 and B, the last dk are M and A. `gather_state` then gives each chunk its
+S_in from the earlier chunks' (A, B) (one all-gather of dk * (dk + dv) values per head and chunk,
+whatever the length), and o = o_0 + M S_in. The conv takes its K - 1 preceding inputs by gather_halo.
+
+Nothing global changes: the module's forward is its class's own function with a copy of its
+module's globals in which `causal_conv1d_fn` and the chunked kernel are the CP versions below (the
+model's own functions, called over a halo / with the identity state). Checkpoints are unaffected
+(the parameters are the module's own). The hooks read no forward context: under activation
+checkpointing the forward runs again in backward, after the context is gone.
+"""
+
+import inspect
+import types
+
+import torch
+from torch import nn
+
+from torch_impl import _group
+from torch_impl.halo import gather_halo
+from torch_impl.layout import ShardPlan
+from torch_impl.state import gather_state
+
+CONV = "causal_conv1d_fn"  # (x [B, C, L], weight [C, K], bias, activation) -> [B, C, L]
+KERNELS = {  # chunked kernel -> the recurrence it computes
+    "torch_chunk_gated_delta_rule": "Gated DeltaNet",
+    "chunk_kimi_delta_attention": "Kimi Delta Attention",
+}
+
+
+def kernel_of(module: nn.Module) -> str | None:
+    """The chunked kernel a linear-attention module's forward calls (a KERNELS key), where it also
+    calls CONV with its own `conv1d`; else None."""
+    names = inspect.unwrap(type(module).forward).__code__.co_names
+    kernel = next((name for name in KERNELS if name in names), None)
+    conv = isinstance(getattr(module, "conv1d", None), nn.Conv1d) and CONV in names
+    return kernel if conv else None
+
+
+def apply_recurrent(module: nn.Module, group, layout: str) -> str:
+    """Run `module` (kernel_of(module) not None) context-parallel; returns the recurrence's name."""
+    kernel = kernel_of(module)
+    forward = inspect.unwrap(type(module).forward)
+    scope = dict(forward.__globals__)
+    scope[CONV] = ConvHalo(scope[CONV], group, layout)
+    scope[kernel] = ChunkState(scope[kernel], group, layout)
+    own = types.FunctionType(forward.__code__, scope, forward.__name__, forward.__defaults__, forward.__closure__)
+    own.__kwdefaults__ = forward.__kwdefaults__
+    module.forward = types.MethodType(own, module)
+    return KERNELS[kernel]
+
+
+class ConvHalo:
+    """The model's causal conv over each local chunk's K - 1 preceding inputs, then the chunk: the
+    inputs arrive masked (the layer zeroes padding before its projections), so no mask travels."""
+
+    def __init__(self, conv, group, layout):
+        self.conv, self.group, self.layout = conv, group, layout
+
+    def __call__(self, x, weight, bias=None, activation=None, **kwargs):
+        # x: [B, C, L]; weight: [C, K]
+        n, r, L = _group.world_size(self.group), _group.rank(self.group), x.shape[-1]
+        reach = weight.shape[-1] - 1
+        halo = gather_halo(x.transpose(1, 2), self.group, reach, layout=self.layout)  # [B, T, C]
+        out = self.conv(halo.transpose(1, 2), weight, bias, activation=activation, **kwargs)  # [B, C, T]
+        kept = [out[:, :, w.own] for w in ShardPlan.of(self.layout, n, r, L).windows(reach)]  # [B, C, L/k] each
+        return kept[0] if len(kept) == 1 else torch.cat(kept, dim=-1)  # [B, C, L]
+
+
+class ChunkState:
+    """The model's chunked kernel over each local chunk from the state the earlier chunks leave."""
+
+    def __init__(self, kernel, group, layout):
+        self.kernel, self.group, self.layout = kernel, group, layout
+
+    def __call__(self, query, key, value, g, beta, *args, initial_state=None, output_final_state=False, **kwargs):
+        # query, key: [B, L, Hk, dk]; value: [B, L, H, dv]; g: [B, L, H] or [B, L, H, dk]; beta: [B, L, H]
+        if args or initial_state is not None or output_final_state or kwargs.get("cu_seqlens") is not None:
+            raise ValueError(
+                "torch_impl.hf: a linear-attention layer was called with a recurrent state, for its final "
+                "state or with cu_seqlens: generation with a cache and flash-style packed sequences are "
+                "not supported under CP"
+            )
+        n, r, L = _group.world_size(self.group), _group.rank(self.group), query.shape[1]
+        (B, _, H, dv), dk = value.shape, key.shape[-1]
+        # [B, H, dk, dv + dk]: zeros beside the identity, so the final state is [B | A]
+        start = torch.eye(dk, device=value.device).expand(B, H, dk, dk)
+        start = torch.cat([start.new_zeros(B, H, dk, dv), start], dim=-1)
+        outs, maps = [], []
+        for w in ShardPlan.of(self.layout, n, r, L).windows(0):
+            rows = w.queries
+            wide = torch.cat([value[:, rows], value.new_zeros(B, rows.stop - rows.start, H, dk)], dim=-1)
+            out, final = self.kernel(  # the kernel's float32 outputs: query given as float32
+                query[:, rows].float(),
+                key[:, rows],
+                wide,  # [B, C, H, dv + dk]
+                g=g[:, rows],
+                beta=beta[:, rows],
+                initial_state=start,
+                output_final_state=True,
+                **kwargs,
+            )
+            outs.append(out)  # [B, C, H, dv + dk]: o_0 | M
+            maps.append(final)  # [B, H, dk, dv + dk]: B | A
+        maps = torch.stack(maps, dim=1)  # [B, k, H, dk, dv + dk]
+        states = gather_state(maps[..., dv:], maps[..., :dv], self.group, layout=self.layout)  # [B, k, H, dk, dv]
+        out = [o[..., :dv] + torch.einsum("bthk,bhkv->bthv", o[..., dv:], states[:, i]) for i, o in enumerate(outs)]
+        out = out[0] if len(out) == 1 else torch.cat(out, dim=1)  # [B, L, H, dv]
+        return out.to(query.dtype), None
