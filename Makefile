@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-block demo-routing test parity models mutants lint bench bench-quick bench-train bench-capacity bench-packed gpu-check clean
+.PHONY: demo demo-block demo-routing test test-all parity models mutants lint bench bench-quick bench-train bench-capacity bench-packed gpu-check clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ demo-routing: $(STAMP)
 	$(PY) -m examples.routing_table
 
 test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+# the suite with its long cases (compiled training, a second main job per layout, ...)
+test-all: $(STAMP)
 	$(PY) -m pytest -q
 
 parity: $(STAMP)
@@ -50,6 +54,8 @@ bench-capacity: $(STAMP)
 	$(PY) -m benchmarks.rank_capacity
 	$(PY) -m benchmarks.rank_capacity --model deepseek_v32 --variants alone,torch_impl \
 		--json out/rank_capacity_dsa.json --plot out/rank_capacity_dsa.png
+	$(PY) -m benchmarks.rank_capacity --model qwen3_5 --lens 1024,4096 --reps 2 --layers 3 --hidden 1024 \
+		--json out/rank_capacity_qwen3_5.json --plot out/rank_capacity_qwen3_5.png
 	for model in gemma2 gpt_oss; do \
 		$(PY) -m benchmarks.rank_capacity --model $$model --lens 4096 --reps 2 --variants alone,torch_impl \
 			--json out/rank_capacity_$$model.json --plot out/rank_capacity_$$model.png || exit 1; \

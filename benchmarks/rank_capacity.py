@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from cp_support.memory import peak_mib, reset_peak
 from cp_support.models import WINDOWS, capacity_model
+from cp_support.traffic import PayloadCounter
 
 VARIANTS = ("alone", "torch_impl", "dense", "allgather")
 
@@ -99,7 +100,12 @@ def measure(variant, args, L, device):
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     else:
         peak = peak_mib() - base
-    return {"peak_mib": peak, "ms": 1000 * statistics.median(times)}
+    result = {"peak_mib": peak, "ms": 1000 * statistics.median(times)}
+    if variant != "alone" and args.model == "qwen3_5":  # one more step, its bytes counted
+        with PayloadCounter() as counter:
+            step()
+        result["received_per_layer"] = counter.received // args.layers
+    return result
 
 
 def child(args):
@@ -215,7 +221,9 @@ def plot(rows, path, device):
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=8, help="CP ranks; this process plays rank n-1")
-    p.add_argument("--model", choices=("gemma3", "gemma2", "gpt_oss", "deepseek_v32"), default="gemma3")
+    p.add_argument(
+        "--model", choices=("gemma3", "gemma2", "gpt_oss", "deepseek_v32", "qwen3_5"), default="gemma3"
+    )
     p.add_argument("--topk", type=int, default=256, help="deepseek_v32: keys each query picks")
     p.add_argument("--lens", default="1024,2048,4096", help="tokens per rank")
     p.add_argument("--hidden", type=int, default=256)
@@ -235,7 +243,9 @@ def parse(argv):
     p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--child-len", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    known = tuple(v for v in VARIANTS if args.model != "deepseek_v32" or v != "dense")  # DSA: no dense path
+    known = VARIANTS
+    if args.model in ("deepseek_v32", "qwen3_5"):  # no dense path; qwen3_5's layers have no attention
+        known = ("alone", "torch_impl") if args.model == "qwen3_5" else ("alone", "torch_impl", "allgather")
     args.variants = args.variants or ",".join(known)
     unknown = set(args.variants.split(",")) - set(known)
     if unknown:
@@ -253,11 +263,10 @@ def main(argv=None):
         return child(args)
     lens = [int(x) for x in args.lens.split(",")]
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = (
-        f"DeepSeek V3.2 (build_dsa), top-k {args.topk}"
-        if args.model == "deepseek_v32"
-        else f"{args.model}, hidden {args.hidden}, window {args.window or WINDOWS[args.model]}"
-    )
+    model = {
+        "deepseek_v32": f"DeepSeek V3.2 (build_dsa), top-k {args.topk}",
+        "qwen3_5": f"Qwen3.5's Gated DeltaNet, {args.layers} layers, hidden {args.hidden}, 16 heads of 128",
+    }.get(args.model) or f"{args.model}, hidden {args.hidden}, window {args.window or WINDOWS[args.model]}"
     print(
         f"# one CP rank (rank {args.n - 1} of {args.n}, fake process group) on {device}: {model}, "
         f"{args.dtype}, activation checkpointing"

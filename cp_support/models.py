@@ -1,4 +1,4 @@
-"""The small transformers models (Gemma 3, LFM2, DeepSeek V3.2) from configs, with random weights:
+"""The small transformers models (Gemma 3, LFM2, DeepSeek V3.2, Qwen3.5) from configs, with random weights:
 the main job's (examples.train trains them, the benchmarks measure them) and the one-rank
 benchmarks' (`capacity_model`: benchmarks.rank_capacity, benchmarks.packed_rows)."""
 
@@ -54,8 +54,21 @@ def build_model(name, seq_len, window, dtype, seed=0):
         layer_types = ["conv", "conv", "full_attention", "conv", "conv", "full_attention"]
         config = tf.Lfm2Config(**common, num_hidden_layers=len(layer_types), layer_types=layer_types)
         model = tf.Lfm2ForCausalLM(config)
+    elif name == "qwen3_5":
+        layer_types = ["linear_attention"] * 3 + ["full_attention"]  # Qwen3.5's 3:1 pattern
+        config = tf.Qwen3_5TextConfig(
+            **common,
+            num_hidden_layers=len(layer_types),
+            layer_types=layer_types,
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+        )
+        model = tf.Qwen3_5ForCausalLM(config)
     else:
-        raise ValueError(f"`--model` must be gemma3, lfm2 or deepseek_v32, got {name!r}")
+        raise ValueError(f"`--model` must be gemma3, lfm2, deepseek_v32 or qwen3_5, got {name!r}")
     return model.to(dtype)
 
 
@@ -68,12 +81,14 @@ def capacity_model(args, max_positions):
     (`--model gemma2`: attention logit soft-capping 50) or GPT-OSS (`gpt_oss`: attention sinks, 4
     experts of `--intermediate` (default hidden), 2 a token), sliding and global layers
     alternating, on eager attention (transformers has no sdpa path for either); or (`--model
-    deepseek_v32`) capacity_dsa."""
+    deepseek_v32`) capacity_dsa, (`--model qwen3_5`) capacity_qwen3_5."""
     import transformers as tf
 
     torch.manual_seed(0)
     if args.model == "deepseek_v32":
         return capacity_dsa(args, max_positions)
+    if args.model == "qwen3_5":
+        return capacity_qwen3_5(args, max_positions)
     period = 6 if args.model == "gemma3" else 2
     layer_types = [
         "full_attention" if i % period == period - 1 else "sliding_attention" for i in range(args.layers)
@@ -102,6 +117,29 @@ def capacity_model(args, max_positions):
         return tf.Gemma2ForCausalLM(config)
     config = tf.Gemma3TextConfig(**common, query_pre_attn_scalar=head_dim, attn_implementation="sdpa")
     return tf.Gemma3ForCausalLM(config)
+
+
+def capacity_qwen3_5(args, max_positions):
+    """Qwen3.5's Gated DeltaNet layers alone (`--layers` of them), at its released head sizes: 16
+    key and 16 value heads of dk = dv = 128, conv kernel 4, hidden `--hidden`, dense MLPs."""
+    import transformers as tf
+
+    config = tf.Qwen3_5TextConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate or 3 * args.hidden,
+        num_hidden_layers=args.layers,
+        layer_types=["linear_attention"] * args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=1,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=max_positions,
+    )
+    return tf.Qwen3_5ForCausalLM(config)
 
 
 def capacity_dsa(args, max_positions):

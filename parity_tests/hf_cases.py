@@ -44,13 +44,15 @@ def cp_step(
     model.load_state_dict(state)
     model.train(mode != "eval")
     if mode == "train_ac":
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=_steps(model, {"use_reentrant": False}))
+        checkpointing = _steps(model, {"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
     hf.parallelize(model, group, layout=layout, dense=dense, **more)
     for module in model.modules():
         if query_block is not None and isinstance(module, BlockedIndexer):
             module.query_block = query_block
     if mode in ("train_ac_saved", "train_ac_compiled"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=_steps(model, hf.checkpoint_kwargs()))
+        checkpointing = _steps(model, hf.checkpoint_kwargs())
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
     if mode == "train_ac_compiled":
         for layer in model.model.layers:
             layer.compile(fullgraph=True)
@@ -366,7 +368,8 @@ def compiled_layers(group, name, state, batch, backend, checkpointing=False):
         hf.parallelize(model, group)
         if checkpointing:
             model.train()
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=_steps(model, hf.checkpoint_kwargs()))
+            checkpointing = _steps(model, hf.checkpoint_kwargs())
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
         if compiled:  # GPT-OSS's eager experts route by data (no full graph): its attention alone
             for layer in model.model.layers:
                 (layer.self_attn if name == "gpt_oss" else layer).compile(backend=backend, fullgraph=True)

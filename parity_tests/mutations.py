@@ -267,6 +267,35 @@ MUTATIONS += [
         "mine = [max(c - 1, 0) for c in ShardPlan.of(layout, n, r, A.shape[1]).chunks]",
         ("parity_tests/test_state.py", "-k", "parity and 2-head_tail"),
     ),
+    Mutation(  # a linear-attention layer's chunks given each other's states (head and tail swapped)
+        "recurrent_state_misrouted",
+        "torch_impl/hf/recurrent.py",
+        'torch.einsum("bthk,bhkv->bthv", o[..., dv:], states[:, i])',
+        'torch.einsum("bthk,bhkv->bthv", o[..., dv:], states[:, -1 - i])',
+        ("parity_tests/test_recurrent.py", "-k", "integer and 2-head_tail"),
+    ),
+    Mutation(  # every linear attention run from a zero state, as each rank alone would
+        "recurrent_state_dropped",
+        "torch_impl/hf/recurrent.py",
+        "states = gather_state(maps[..., dv:], maps[..., :dv], self.group, layout=self.layout)",
+        "states = torch.zeros_like(gather_state(maps[..., dv:], maps[..., :dv], self.group, "
+        "layout=self.layout))",
+        ("parity_tests/test_hf.py", "-k", "float64 and qwen3_5-2"),
+    ),
+    Mutation(  # the conv in front of a linear attention without its kernel - 1 earlier inputs
+        "recurrent_conv_without_halo",
+        "torch_impl/hf/recurrent.py",
+        "reach = weight.shape[-1] - 1",
+        "reach = 0",
+        ("parity_tests/test_hf.py", "-k", "float64 and qwen3_5-2"),
+    ),
+    Mutation(  # the layer's transition read transposed
+        "recurrent_transition_transposed",
+        "torch_impl/hf/recurrent.py",
+        "states = gather_state(maps[..., dv:], maps[..., :dv],",
+        "states = gather_state(maps[..., dv:].transpose(-1, -2), maps[..., :dv],",
+        ("parity_tests/test_recurrent.py", "-k", "random and gdn-4"),
+    ),
 ]
 
 

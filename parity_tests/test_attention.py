@@ -389,6 +389,7 @@ def test_kernel_table():
     assert attention.choose_kernel(cpu.to("meta"), 4, None, None) == "tiled"
 
 
+@pytest.mark.slow
 def test_the_cuda_rule_runs_through_flex_attention_forward_on_cpu():
     """The CUDA kernels' visibility rule and soft-capping `score_mod`, through flex_attention with
     a BlockMask compiled from `mask_mod` (no dense mask). torch 2.13 has flex's forward on CPU (not

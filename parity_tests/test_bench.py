@@ -61,6 +61,7 @@ def test_analytic_minimum_matches_the_plan(n, L):
     assert halo_tokens_moved(1, 4, 8, None) == 2 * 3 * 8
 
 
+@pytest.mark.slow
 def test_train_bench_quick_mode_runs(tmp_path):
     """`make bench-train` end to end on one small configuration: both transports train, the
     library receives fewer bytes per step than the all-gather baseline (no timing assertions)."""

@@ -223,7 +223,7 @@ def test_packed_documents_are_isolated():
     [
         ("gemma3", 4, "aot_eager"),  # windows reaching two shards back: halos from two peers
         ("lfm2", 2, "aot_eager"),
-        ("lfm2", 2, "inductor"),  # inductor once (slow compiles); Gemma 3's: with checkpointing, above
+        pytest.param("lfm2", 2, "inductor", marks=pytest.mark.slow),  # Gemma 3's: with checkpointing, above
         ("lfm2", 2, "aot_eager_packed_ac"),  # packed rows, checkpointing (the conv hooks keep no state)
         ("gemma2", 2, "aot_eager"),  # soft-capped tiles
         ("gpt_oss", 2, "aot_eager"),  # sinks, a parameter through the attention's autograd.Function

@@ -39,16 +39,27 @@ def check_verdict(out):
 @pytest.mark.parametrize(
     "args",
     [
-        ["--cp", "4", "--steps", "3", "--layout", "head_tail"],
+        pytest.param(["--cp", "4", "--steps", "3", "--layout", "head_tail"], marks=pytest.mark.slow),
         ["--dp", "2", "--cp", "2", "--model", "lfm2", "--ac", "--dtype", "float64", "--steps", "3"],
-        ["--dp", "2", "--cp", "2", "--model", "deepseek_v32", "--dtype", "float64", "--steps", "1"],
+        pytest.param(
+            ["--dp", "2", "--cp", "2", "--model", "deepseek_v32", "--dtype", "float64", "--steps", "1"],
+            marks=pytest.mark.slow,
+        ),
+        ["--cp", "2", "--model", "qwen3_5", "--dtype", "float64", "--steps", "2", "--layout", "head_tail"],
     ],
-    ids=["gemma3-cp4-head_tail", "lfm2-dp2-cp2-ac-float64", "deepseek_v32-dp2-cp2-float64"],
+    ids=[
+        "gemma3-cp4-head_tail",
+        "lfm2-dp2-cp2-ac-float64",
+        "deepseek_v32-dp2-cp2-float64",
+        "qwen3_5-cp2-head_tail-float64",
+    ],
 )
 def test_training_equals_one_process(tmp_path, args):
     metrics = tmp_path / "metrics.json"
+    size = {flag: int(args[args.index(flag) + 1]) if flag in args else 1 for flag in ("--dp", "--cp")}
     code, out = run(
-        [*args, *SMALL, "--reference", "--metrics", str(metrics), "--figure", str(tmp_path / "f.png")]
+        [*args, *SMALL, "--reference", "--metrics", str(metrics), "--figure", str(tmp_path / "f.png")],
+        nproc=size["--dp"] * size["--cp"],
     )
     assert code == 0 and "EQUAL: largest difference" in out, out[-3000:]
     check_verdict(out)
@@ -57,7 +68,7 @@ def test_training_equals_one_process(tmp_path, args):
     assert m["losses"].keys() == m["reference_losses"].keys() == {str(s + 1) for s in range(steps)}
     assert (tmp_path / "f.png").stat().st_size > 10_000
     if "head_tail" in args:  # the all-gather baseline is contiguous only
-        assert "Applied CP over 4 ranks (torch_impl, layout head_tail)" in out
+        assert f"Applied CP over {args[args.index('--cp') + 1]} ranks (torch_impl, layout head_tail)" in out
         assert m["received_per_layer"].keys() == {"torch_impl"}
         return
     ours, base = m["received_per_layer"]["torch_impl"], m["received_per_layer"]["allgather"]
@@ -67,6 +78,7 @@ def test_training_equals_one_process(tmp_path, args):
         assert sum(map(sum, ours)) < sum(map(sum, base))
 
 
+@pytest.mark.slow
 def test_pure_data_parallelism_and_one_process_train(tmp_path):
     """--cp 1: no CP (the model's own attention), FSDP2 over dp ranks; and a plain `python -m
     examples.train`, one process without torchrun. Both equal the reference."""
@@ -81,6 +93,7 @@ def test_pure_data_parallelism_and_one_process_train(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_compiled_layers_with_activation_checkpointing_train():
     """Inductor + checkpointing in the job, under head_tail (the contiguous layout's compiled layers:
     test_hf's compile tests)."""

@@ -3,7 +3,8 @@ the same trainer over dp processes without CP (parity_tests/trainer_jobs.py: flo
 dropout 0, SGD at learning rate 0.5, gradient accumulation 2, 3 steps, then evaluate()).
 
 Four torchrun launches, two at a time: cp 2 (2 processes) against one process, every case (Trainer
-on padded rows of 13 to 31 tokens: Gemma 3, Mistral under head_tail, LFM2; SFTTrainer with packing:
+on padded rows of 13 to 31 tokens: Gemma 3, Mistral under head_tail, LFM2, Qwen3.5 (Gated DeltaNet)
+under head_tail; SFTTrainer with packing:
 Gemma 3 and GPT-OSS (head_tail) on prompt-completion pairs, the loss on completions only, Mistral on
 text), both recipes, resume from a checkpoint and the refusals; and dp 2 x cp 2 (4 processes)
 against dp 2, DP_CASES and the refusals. The models are float64, but transformers rounds their

@@ -19,6 +19,7 @@ from trl import SFTTrainer
 
 from examples.recipes import sft, trainer, trainer_data
 from parity_tests import hf_models
+from parity_tests.hf_reference import float64_steps
 from torch_impl import hf
 
 # name: (trainer, model, layout, extra arguments)
@@ -26,6 +27,7 @@ CASES = {
     "trainer_gemma3": ("trainer", "gemma3", "contiguous", {}),
     "trainer_mistral_head_tail": ("trainer", "mistral", "head_tail", {}),
     "trainer_lfm2": ("trainer", "lfm2", "contiguous", {}),  # packed rows: one process refuses LFM2
+    "trainer_qwen3_5_head_tail": ("trainer", "qwen3_5", "head_tail", {}),  # Gated DeltaNet
     "sft_gemma3_packed_completion": ("sft", "gemma3", "contiguous", {}),
     "sft_mistral_packed": ("sft", "mistral", "contiguous", {"text": True}),
     "sft_gpt_oss_packed_head_tail": ("sft", "gpt_oss", "head_tail", {}),
@@ -33,7 +35,14 @@ CASES = {
 
 
 class Rows:
-    """A trainer mixin recording the rows of every training batch (before CP shards them)."""
+    """A trainer mixin recording the rows of every training batch (before CP shards them). Its
+    training steps keep a linear-attention model's float32 steps in float64
+    (hf_reference.float64_steps: its recurrences' float32 rounding, in another order, is within no
+    bound relative to a gradient that sums to near zero; test_recurrent bounds the float32 kernels)."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        with float64_steps(self.model):
+            return super().training_step(model, inputs, num_items_in_batch)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if model.training:

@@ -23,7 +23,7 @@ def parse(argv):
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seq-len", type=int, default=4096, help="global tokens per sequence")
     p.add_argument("--batch", type=int, default=1, help="sequences per DP rank and step")
-    p.add_argument("--model", choices=("gemma3", "lfm2", "deepseek_v32"), default="gemma3")
+    p.add_argument("--model", choices=("gemma3", "lfm2", "deepseek_v32", "qwen3_5"), default="gemma3")
     p.add_argument(
         "--window", type=int, default=1536, help="Gemma 3's sliding window; DeepSeek V3.2's index_topk"
     )

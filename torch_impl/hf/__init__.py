@@ -10,7 +10,8 @@
 Rank r of n holds the global tokens [r*L, (r+1)*L), L = S/n (or, with `layout="head_tail"` given
 to both calls, chunks r and 2n-1-r of S/2n tokens: balanced causal work). The adapter is one registered
 attention implementation (`config._attn_implementation = "cp_transport"`, through transformers'
-`AttentionInterface` and `AttentionMaskInterface`) and forward hooks on short convolutions:
+`AttentionInterface` and `AttentionMaskInterface`), forward hooks on short convolutions, and
+linear-attention modules run with CP versions of their conv and chunked kernel:
 
 | layer kind                              | forward transport (rank r)    | the math                  |
 |-----------------------------------------|-------------------------------|---------------------------|
@@ -23,6 +24,10 @@ attention implementation (`config._attn_implementation = "cp_transport"`, throug
 |                                         | start                         | documents                 |
 | causal depthwise short conv, kernel K   | input, padding mask:          | the module's own forward; |
 | (LFM2's, LFM3's short convs)            | gather_halo(K - 1)            | the halo's outputs dropped|
+| linear attention: Gated DeltaNet        | the conv's input:             | the module's own forward, |
+| (Qwen3.5, Qwen3-Next, OLMo hybrid),     | gather_halo(K - 1); the       | its conv over the halo,   |
+| KDA (Kimi Linear): `recurrent`          | state: gather_state of every  | its chunked kernel from   |
+|                                         | chunk's (A, B)                | the earlier chunks' state |
 | DeepSeek Sparse Attention (DeepSeek     | MLA latents and indexer keys  | the model's own indexer,  |
 | V3.2, GLM-5: `indexed_attention`)       | of the causal prefix:         | blocked; sparse_mla_      |
 |                                         | gather_halo((n-1)*L)          | attention (absorbed MLA)  |
@@ -41,17 +46,17 @@ are left alone). The math is `torch_impl.attention.causal_attention` (fused kern
 train mode, which it does not apply: such calls keep the model's own mask and attention functions
 (`sdpa`, or its module's `eager_attention_forward`) on a dense [L, T] mask. Packed sequences
 (position_ids that restart, no attention_mask, no cache: when transformers isolates the documents)
-add document ids,
-made once per forward from the gathered positions. Whatever this cannot make exact raises
-`ValueError`: at `parallelize` (recurrent layers, cross or bidirectional attention, attention
-outside transformers' AttentionInterface or editing its own mask, unknown sequence convolutions,
-flash/flex kernels), or at the first call (a KV cache past the first step, custom mask overlays,
-a 4-D mask, non-text inputs). Which families are exact and which are refused, and why:
-docs/models.md (`make models`).
+add document ids, made once per forward from the gathered positions. Whatever this cannot make
+exact raises `ValueError`: at `parallelize` (recurrent layers but Gated DeltaNet and KDA, cross or
+bidirectional attention, attention outside transformers' AttentionInterface or editing its own
+mask, unknown sequence convolutions, flash/flex kernels), or at the first call (a KV cache past the
+first step, custom mask overlays, a 4-D mask, non-text inputs). Which families are exact and which
+are refused, and why: docs/models.md (`make models`).
 
 Modules: `parallelize` (the checks and the plan), one per layer kind (`attention`: full and
-sliding; `short_conv`; `indexed`: DeepSeek Sparse Attention), `inputs` (`shard_batch` and the base
-model's pre-hook), `trainer` (`ContextParallelMixin`: transformers' Trainer and TRL's SFTTrainer).
+sliding; `short_conv`; `recurrent`: linear attention; `indexed`: DeepSeek Sparse Attention),
+`inputs` (`shard_batch` and the base model's pre-hook), `trainer` (`ContextParallelMixin`:
+transformers' Trainer and TRL's SFTTrainer).
 """
 
 from torch_impl.hf._common import IMPLEMENTATION

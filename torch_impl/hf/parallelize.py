@@ -185,7 +185,8 @@ def _layers(model, decoder, group, layout, dense=False):
         raise _refuse("", model, "does not route its attention through transformers' AttentionInterface")
     attentions, whole, skipped, towers = [], {"short_conv": {}, "recurrent": {}}, [], _towers(model)
     for name, module in model.named_modules():
-        if any(name.startswith(f"{outer}.") for outer in [*whole["short_conv"], *whole["recurrent"], *skipped]):
+        handled = [*whole["short_conv"], *whole["recurrent"], *skipped]
+        if any(name.startswith(f"{outer}.") for outer in handled):
             continue  # inside a short conv or linear attention, handled whole, or a non-text encoder
         if id(getattr(module, "config", None)) in towers:
             skipped.append(name)

@@ -38,7 +38,8 @@ KERNELS = {  # chunked kernel -> the recurrence it computes
 def kernel_of(module: nn.Module) -> str | None:
     """The chunked kernel a linear-attention module's forward calls (a KERNELS key), where it also
     calls CONV with its own `conv1d`; else None."""
-    names = inspect.unwrap(type(module).forward).__code__.co_names
+    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
+    names = code.co_names if code is not None else ()
     kernel = next((name for name in KERNELS if name in names), None)
     conv = isinstance(getattr(module, "conv1d", None), nn.Conv1d) and CONV in names
     return kernel if conv else None
@@ -51,7 +52,9 @@ def apply_recurrent(module: nn.Module, group, layout: str) -> str:
     scope = dict(forward.__globals__)
     scope[CONV] = ConvHalo(scope[CONV], group, layout)
     scope[kernel] = ChunkState(scope[kernel], group, layout)
-    own = types.FunctionType(forward.__code__, scope, forward.__name__, forward.__defaults__, forward.__closure__)
+    own = types.FunctionType(
+        forward.__code__, scope, forward.__name__, forward.__defaults__, forward.__closure__
+    )
     own.__kwdefaults__ = forward.__kwdefaults__
     module.forward = types.MethodType(own, module)
     return KERNELS[kernel]
@@ -70,7 +73,8 @@ class ConvHalo:
         reach = weight.shape[-1] - 1
         halo = gather_halo(x.transpose(1, 2), self.group, reach, layout=self.layout)  # [B, T, C]
         out = self.conv(halo.transpose(1, 2), weight, bias, activation=activation, **kwargs)  # [B, C, T]
-        kept = [out[:, :, w.own] for w in ShardPlan.of(self.layout, n, r, L).windows(reach)]  # [B, C, L/k] each
+        windows = ShardPlan.of(self.layout, n, r, L).windows(reach)
+        kept = [out[:, :, w.own] for w in windows]  # [B, C, L/k] each
         return kept[0] if len(kept) == 1 else torch.cat(kept, dim=-1)  # [B, C, L]
 
 
@@ -80,7 +84,9 @@ class ChunkState:
     def __init__(self, kernel, group, layout):
         self.kernel, self.group, self.layout = kernel, group, layout
 
-    def __call__(self, query, key, value, g, beta, *args, initial_state=None, output_final_state=False, **kwargs):
+    def __call__(
+        self, query, key, value, g, beta, *args, initial_state=None, output_final_state=False, **kwargs
+    ):
         # query, key: [B, L, Hk, dk]; value: [B, L, H, dv]; g: [B, L, H] or [B, L, H, dk]; beta: [B, L, H]
         if args or initial_state is not None or output_final_state or kwargs.get("cu_seqlens") is not None:
             raise ValueError(
@@ -110,7 +116,11 @@ class ChunkState:
             outs.append(out)  # [B, C, H, dv + dk]: o_0 | M
             maps.append(final)  # [B, H, dk, dv + dk]: B | A
         maps = torch.stack(maps, dim=1)  # [B, k, H, dk, dv + dk]
-        states = gather_state(maps[..., dv:], maps[..., :dv], self.group, layout=self.layout)  # [B, k, H, dk, dv]
-        out = [o[..., :dv] + torch.einsum("bthk,bhkv->bthv", o[..., dv:], states[:, i]) for i, o in enumerate(outs)]
+        # [B, k, H, dk, dv]: the state each local chunk starts from
+        states = gather_state(maps[..., dv:], maps[..., :dv], self.group, layout=self.layout)
+        out = [
+            o[..., :dv] + torch.einsum("bthk,bhkv->bthv", o[..., dv:], states[:, i])  # [B, C, H, dv]
+            for i, o in enumerate(outs)
+        ]
         out = out[0] if len(out) == 1 else torch.cat(out, dim=1)  # [B, L, H, dv]
         return out.to(query.dtype), None

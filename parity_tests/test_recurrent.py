@@ -1,0 +1,94 @@
+"""torch_impl.hf.recurrent: transformers' own linear-attention kernels (Gated DeltaNet's
+`torch_chunk_gated_delta_rule`, Kimi Delta Attention's `chunk_kimi_delta_attention`) made CP, against
+the same kernel over the whole sequence in one process, forward and backward.
+
+Rank r of n holds the tokens [r*L, (r+1)*L) (head_tail: chunks r and 2n-1-r of L/2), runs the kernel
+once per local chunk from the state [0 | I] with values widened by dk zero columns, and receives its
+initial state from the earlier chunks through gather_state. The kernels work in chunks of 64 tokens
+from each call's first token, so with L = 48 or 80 a rank's kernel chunks straddle one process's.
+
+Exact data: decay 1 (g = 0), beta = 1 and one-hot keys (no l2 norm; dk = 4, so the query scale is
+1/2): each token overwrites one row of the state with its value, every value in the kernel is a
+small integer or half-integer, and the CP outputs and every gradient equal one process's to the bit;
+a state from the wrong rank or chunk, or a misrouted token, changes them. Random data (float32, the
+kernels' own precision; l2-normed keys, decays in (0, 1), beta in (0, 1)): every transition is a
+contraction, so a rounding error does not grow along the sequence; an output is a sum of at most
+S + dk + dv chained roundings of terms no larger than the largest value; the bound asserted is
+twice gamma of that many float32 roundings times the largest |value| (outputs) or the largest
+|gradient| of the input (gradients), for each side's error.
+"""
+
+import pytest
+import torch
+
+from parity_tests import bounds, expected, recurrent_cases
+
+LAYOUTS = ["contiguous", "head_tail"]
+
+
+def inputs(kind, S, dk=8, dv=12, Hk=1, H=2, B=2, seed=0):
+    """Global [B, S, ...] inputs of a kernel; kind "exact" (GDN) or "gdn"/"kda" (random)."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "exact":
+        dk = 4
+        key = torch.nn.functional.one_hot(torch.randint(0, dk, (B, S, Hk), generator=gen), dk).float()
+        return {
+            "query": torch.randint(-2, 3, (B, S, Hk, dk), generator=gen).float(),
+            "key": key,
+            "value": torch.randint(-2, 3, (B, S, H, dv), generator=gen).float(),
+            "g": torch.zeros(B, S, H),
+            "beta": torch.ones(B, S, H),
+        }
+    gate = (B, S, H, dk) if kind == "kda" else (B, S, H)
+    heads = H if kind == "kda" else Hk
+    return {
+        "query": torch.randn(B, S, heads, dk, generator=gen),
+        "key": torch.randn(B, S, heads, dk, generator=gen),
+        "value": torch.randn(B, S, H, dv, generator=gen),
+        # decays of about exp(-1/32) a token: a state lasts about 100 tokens, across ranks
+        "g": -torch.nn.functional.softplus(torch.randn(gate, generator=gen)) / 32,
+        "beta": torch.rand(B, S, H, generator=gen),
+    }
+
+
+def run(pool, name, data, n, layout, l2norm, seed=3):
+    out = data["value"].shape[:3] + data["value"].shape[-1:]
+    cotangent = torch.randint(-2, 3, out, generator=torch.Generator().manual_seed(seed)).float()
+    ref = recurrent_cases.one_process(name, data, cotangent, l2norm)
+    results = pool.run(("first", n), recurrent_cases.chunk_state, name, data, cotangent, layout, l2norm)[0]
+    L = data["query"].shape[1] // n
+    return ref, [(expected.local_tokens(n, L, r, layout), res) for r, res in enumerate(results)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("n", [2, 4])
+def test_integer_states_equal_one_process_to_the_bit(pool, n, layout):
+    data = inputs("exact", S=320)  # L = 160 or 80
+    (ref_out, ref_grads), ranks = run(pool, "gdn", data, n, layout, l2norm=False)
+    assert ref_out.abs().max() > 4  # states carry values across ranks
+    for rows, (out, grads) in ranks:
+        assert torch.equal(out, ref_out[:, rows])
+        for key, grad in grads.items():
+            assert torch.equal(grad, ref_grads[key][:, rows]), key
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name,n,S", [("gdn", 4, 192), ("kda", 4, 320), ("gdn", 2, 160)])
+def test_random_states_equal_one_process(pool, name, n, S, layout):
+    """L = 48, 80 or 80 tokens: a rank's kernel chunks of 64 straddle one process's."""
+    data = inputs(name, S)
+    (ref_out, ref_grads), ranks = run(pool, name, data, n, layout, l2norm=True)
+    dk, dv = data["key"].shape[-1], data["value"].shape[-1]
+    d, u = S + dk + dv, bounds.u("float32")
+    gamma = 2 * d * u / (1 - d * u)
+    for rows, (out, grads) in ranks:
+        bounds.check((out - ref_out[:, rows]).abs().max(), gamma * data["value"].abs().max(), "outputs")
+        for key, grad in grads.items():
+            bound = gamma * ref_grads[key].abs().max()
+            bounds.check((grad - ref_grads[key][:, rows]).abs().max(), bound, f"grad of {key}")
+
+
+def test_a_recurrent_cache_is_refused_on_every_rank(pool):
+    """Generation would carry each rank's own final state: every rank raises, none hangs."""
+    for message in pool.run(("first", 2), recurrent_cases.refusals)[0]:
+        assert message is not None and "generation with a cache" in message, message
