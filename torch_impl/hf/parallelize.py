@@ -200,7 +200,7 @@ def _layers(model, decoder, group, layout, dense=False):
             whole[kind][name] = module
     _check_configs(model, towers)
     linear = list(getattr(decoder.config, "layer_types", None) or ()).count("linear_attention")
-    if linear != len(whole["recurrent"]):
+    if linear > len(whole["recurrent"]):  # a linear attention the walk did not recognise
         raise _refuse(
             "",
             model,
