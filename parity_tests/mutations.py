@@ -296,6 +296,20 @@ MUTATIONS += [
         "states = gather_state(maps[..., dv:].transpose(-1, -2), maps[..., :dv],",
         ("parity_tests/test_recurrent.py", "-k", "random and gdn-4"),
     ),
+    Mutation(  # a Mamba2 layer's chunks given each other's states (head and tail swapped)
+        "mamba_state_misrouted",
+        "torch_impl/hf/recurrent.py",
+        'torch.einsum("bthn,bhpn->bthp", o[..., P:], states[:, i])',
+        'torch.einsum("bthn,bhpn->bthp", o[..., P:], states[:, -1 - i])',
+        ("parity_tests/test_recurrent.py", "-k", "mamba2_integer and 2-head_tail"),
+    ),
+    Mutation(  # a Mamba2 chunk's decay not applied to the states passing through it
+        "mamba_decay_dropped",
+        "torch_impl/hf/recurrent.py",
+        "decays.append(final[:, :, P, :1, None])",
+        "decays.append(torch.ones_like(final[:, :, P, :1, None]))",
+        ("parity_tests/test_recurrent.py", "-k", "mamba2_random and contiguous"),
+    ),
 ]
 
 

@@ -50,3 +50,44 @@ def refusals(group):
     except ValueError as e:
         return str(e)
     return None
+
+
+MAMBA_NAMES = ("hidden_states", "dt", "B", "C")  # by token; A [H] and D [H] are the layer's own
+
+
+def mamba_scan():
+    from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
+
+    return mamba2_chunk_scan
+
+
+def _mamba_args(leaves, A, D):
+    return (leaves["hidden_states"], leaves["dt"], A, leaves["B"], leaves["C"], MAMBA_CHUNK), {"D": D}
+
+
+MAMBA_CHUNK = 16  # the scan's chunk: L = 48 or 80 tokens a rank straddle one process's chunks
+
+
+def mamba_one_process(inputs, cotangent):
+    """Mamba2's scan over the whole sequence: its output [B, S, H, P], the gradients of the token
+    inputs and of A and D."""
+    leaves = {key: inputs[key].clone().requires_grad_(True) for key in (*MAMBA_NAMES, "A", "D")}
+    args, kwargs = _mamba_args(leaves, leaves["A"], leaves["D"])
+    out = mamba_scan()(*args, **kwargs)
+    out.backward(cotangent)
+    return out.detach(), {key: leaf.grad for key, leaf in leaves.items()}
+
+
+def mamba_state(group, inputs, cotangent, layout):
+    """The scan made CP (torch_impl.hf.recurrent.MambaScan) on this rank's rows: its output
+    [B, L, H, P] and the gradients of this rank's token inputs and its partial ones of A and D."""
+    from torch_impl.hf.recurrent import MambaScan
+
+    n, r = group.size(), group.rank()
+    rows = ShardPlan.of(layout, n, r, inputs["dt"].shape[1] // n).rows()  # [L]
+    leaves = {key: inputs[key][:, rows].clone().requires_grad_(True) for key in MAMBA_NAMES}
+    leaves |= {key: inputs[key].clone().requires_grad_(True) for key in ("A", "D")}
+    args, kwargs = _mamba_args(leaves, leaves["A"], leaves["D"])
+    out = MambaScan(mamba_scan(), group, layout)(*args, **kwargs)
+    out.backward(cotangent[:, rows])
+    return out.detach(), {key: leaf.grad for key, leaf in leaves.items()}

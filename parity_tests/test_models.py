@@ -33,6 +33,9 @@ QUICK = {  # family: (what it exercises, its verdict)
     "qwen3_next": ("Gated DeltaNet: the recurrent state from the earlier ranks, a conv halo", "exact"),
     "olmo_hybrid": ("Gated DeltaNet with negative eigenvalues (beta up to 2)", "exact"),
     "minimax": ("a linear attention the adapter does not know", "refused"),
+    "nemotron_h": ("Mamba2 layers (a decay per head), attention, MLP and MoE layers", "exact"),
+    "falcon_h1": ("attention and Mamba2 in parallel in every layer", "exact"),
+    "jamba": ("Mamba (a per-channel selective scan): not yet", "refused"),
 }
 
 

@@ -92,3 +92,88 @@ def test_a_recurrent_cache_is_refused_on_every_rank(pool):
     """Generation would carry each rank's own final state: every rank raises, none hangs."""
     for message in pool.run(("first", 2), recurrent_cases.refusals)[0]:
         assert message is not None and "generation with a cache" in message, message
+
+
+# --- Mamba2 (SSD): a scalar decay per head, the state [head_dim P, state N] ----------------------
+
+
+def mamba_inputs(kind, S, P=6, N=4, H=2, G=1, B=2, seed=0):
+    """Global inputs of Mamba2's scan: "exact" (A = 0, no decay, dt = 1, small integers: every
+    state and output an integer) or "random" (decays exp(A dt) in (0, 1), a state lasting about a
+    hundred tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "exact":
+        ints = lambda *shape: torch.randint(-2, 3, shape, generator=gen).float()  # noqa: E731
+        return {
+            "hidden_states": ints(B, S, H, P),
+            "dt": torch.ones(B, S, H),
+            "A": torch.zeros(H),
+            "B": ints(B, S, G, N),
+            "C": ints(B, S, G, N),
+            "D": ints(H),
+        }
+    return {
+        "hidden_states": torch.randn(B, S, H, P, generator=gen),
+        "dt": torch.rand(B, S, H, generator=gen) / 8,
+        "A": -torch.rand(H, generator=gen),
+        "B": torch.randn(B, S, G, N, generator=gen),
+        "C": torch.randn(B, S, G, N, generator=gen),
+        "D": torch.randn(H, generator=gen),
+    }
+
+
+def run_mamba(pool, data, n, layout, seed=3):
+    shape = data["hidden_states"].shape
+    cotangent = torch.randint(-2, 3, shape, generator=torch.Generator().manual_seed(seed)).float()
+    ref = recurrent_cases.mamba_one_process(data, cotangent)
+    results = pool.run(("first", n), recurrent_cases.mamba_state, data, cotangent, layout)[0]
+    L = shape[1] // n
+    return ref, [(expected.local_tokens(n, L, r, layout), res) for r, res in enumerate(results)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("n", [2, 4])
+def test_mamba2_integer_states_equal_one_process_to_the_bit(pool, n, layout):
+    """No decay, dt = 1: the state is a running sum of x_t B_t^T, every value an integer."""
+    data = mamba_inputs("exact", S=320 if n == 4 else 160)  # L = 80
+    (ref_out, ref_grads), ranks = run_mamba(pool, data, n, layout)
+    assert ref_out.abs().max() > 8  # states carry values across ranks
+    for key in ("A", "D"):  # the layer's own: each rank's share adds up to one process's
+        assert torch.equal(sum(res[1][key] for _, res in ranks), ref_grads[key]), key
+    for rows, (out, grads) in ranks:
+        assert torch.equal(out, ref_out[:, rows])
+        for key in recurrent_cases.MAMBA_NAMES:
+            assert torch.equal(grads[key], ref_grads[key][:, rows]), key
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mamba2_random_states_equal_one_process(pool, layout):
+    """Each output, and each gradient of x, B and C, is a sum of products that both sides round
+    in other orders, at most d = S + N + 2n roundings deep (S tokens, N state entries, the fold's
+    n * k maps); each is within gamma_d of the same computation on |x|, |B|, |C|, |D| and
+    |cotangent| (positive decays), entry by entry, so the two differ by at most twice that. The
+    gradients of dt, A and D mix signs through the decay's derivative: within twice gamma_d * S
+    of their largest entry (A's and D's summed over the ranks)."""
+    S, n = 192, 4
+    data = mamba_inputs("random", S=S)
+    (ref_out, ref_grads), ranks = run_mamba(pool, data, n, layout)
+    shape = data["hidden_states"].shape
+    cotangent = torch.randint(-2, 3, shape, generator=torch.Generator().manual_seed(3)).float()
+    absolute = {key: value.abs() if key != "A" else value for key, value in data.items()}
+    abs_out, abs_grads = recurrent_cases.mamba_one_process(absolute, cotangent.abs())
+    d, u = S + data["B"].shape[-1] + 2 * n, bounds.u("float32")
+    gamma = 2 * d * u / (1 - d * u)
+    for key in ("A", "D"):
+        summed = sum(res[1][key] for _, res in ranks)
+        bounds.check((summed - ref_grads[key]).abs().max(), gamma * S * ref_grads[key].abs().max(), key)
+
+    def ratio(difference, bound):  # the worst entry's difference over its bound (0 where both are)
+        return torch.where(difference == 0, 0.0, difference.abs() / bound).max()
+
+    for rows, (out, grads) in ranks:
+        bounds.check(ratio(out - ref_out[:, rows], gamma * abs_out[:, rows]), 1.0, "outputs")
+        for key in ("hidden_states", "B", "C"):
+            worst = ratio(grads[key] - ref_grads[key][:, rows], gamma * abs_grads[key][:, rows])
+            bounds.check(worst, 1.0, f"grad of {key}")
+        bound = gamma * S * ref_grads["dt"].abs().max()
+        bounds.check((grads["dt"] - ref_grads["dt"][:, rows]).abs().max(), bound, "grad of dt")

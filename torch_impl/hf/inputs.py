@@ -219,6 +219,8 @@ class ModelInputs:
                 position_ids=positions,
                 use_cache=False,
             )
+        if "position_ids" not in self.arguments.names:  # a model without attention (Mamba2)
+            return args, kwargs
         return self.arguments.replace(args, kwargs, position_ids=positions)
 
     @staticmethod

@@ -30,8 +30,13 @@ SUPPORTED_LAYER_TYPES = (
     "chunked_attention",
     "conv",
     INDEXED,
-    "linear_attention",  # where each is a Gated DeltaNet or KDA (torch_impl.hf.recurrent)
+    "linear_attention",  # where each is a Gated DeltaNet, KDA or Mamba2 (torch_impl.hf.recurrent)
+    "mlp",  # Nemotron-H's layers without a token mixer
+    "moe",
 )
+# a layer of both attention and a recurrence (Falcon-H1's parallel ones, Zamba2's shared attention
+# blocks beside its Mamba2): allowed where the walk recognised the recurrences
+HYBRID = "hybrid"
 # causal depthwise conv of in_proj's gated output
 SHORT_CONVS = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
 RECURRENT = re.compile(
@@ -60,9 +65,9 @@ def _refuse(name, module, why):
     return ValueError(f"torch_impl.hf.parallelize: {name or 'the model'} ({type(module).__name__}) {why}")
 
 
-def _check_configs(model, towers):
+def _check_configs(model, towers, recurrent=False):
     """Model-wide refusals, from the model's config and its sub-models' but its non-text encoders'
-    (a catch-all after the walk)."""
+    (a catch-all after the walk; `recurrent`: it recognised linear-attention modules)."""
     for name, module in model.named_modules():
         config = getattr(module, "config", None)
         if not isinstance(config, PreTrainedConfig) or id(config) in towers:
@@ -76,7 +81,7 @@ def _check_configs(model, towers):
                 "has both chunked and sliding-window attention, which its masks cannot tell apart",
             )
         layer_types = set(getattr(config, "layer_types", None) or ())
-        unsupported = sorted(layer_types - set(SUPPORTED_LAYER_TYPES))
+        unsupported = sorted(layer_types - set(SUPPORTED_LAYER_TYPES) - ({HYBRID} if recurrent else set()))
         if unsupported:
             raise _refuse(name, module, _unsupported(unsupported))
         if INDEXED in layer_types and layer_types != {INDEXED}:
@@ -96,7 +101,7 @@ def _kind(name, module):
     """'attention', 'short_conv', 'recurrent', or None for a module that mixes no tokens itself;
     ValueError for a module that mixes them in a way CP cannot reproduce exactly."""
     layer_type = _layer_type(module)
-    if layer_type is not None and layer_type not in SUPPORTED_LAYER_TYPES:
+    if layer_type is not None and layer_type not in (*SUPPORTED_LAYER_TYPES, HYBRID):
         raise _refuse(name, module, _unsupported([layer_type]))
     if type(module).__name__ in REFUSED_ATTENTION:
         raise _refuse(name, module, REFUSED_ATTENTION[type(module).__name__])
@@ -110,7 +115,8 @@ def _kind(name, module):
         return "short_conv"
     if kernel_of(module) is not None:
         return "recurrent"
-    if RECURRENT.search(type(module).__name__) and not any(map(kernel_of, module.modules())):
+    name_ = type(module).__name__
+    if RECURRENT.search(name_) and not name_.endswith("Norm") and not any(map(kernel_of, module.modules())):
         raise _refuse(name, module, RECURRENCE)  # (a layer holding a linear attention it knows is not)
     if isinstance(module, (nn.Conv1d, nn.Conv2d)):
         raise _refuse(name, module, "is a convolution over the sequence that the adapter does not know")
@@ -198,14 +204,14 @@ def _layers(model, decoder, group, layout, dense=False):
             attentions.append((module, _attention_setup(name, module, group, layout, dense)))
         elif kind is not None:
             whole[kind][name] = module
-    _check_configs(model, towers)
+    _check_configs(model, towers, recurrent=bool(whole["recurrent"]))
     linear = list(getattr(decoder.config, "layer_types", None) or ()).count("linear_attention")
     if linear > len(whole["recurrent"]):  # a linear attention the walk did not recognise
         raise _refuse(
             "",
             model,
             f"{RECURRENCE}: {linear} 'linear_attention' layers, of which {len(whole['recurrent'])} are "
-            f"Gated DeltaNet or KDA modules calling the chunked kernels {sorted(KERNELS)}",
+            f"Gated DeltaNet, KDA or Mamba2 modules calling the chunked kernels {sorted(KERNELS)}",
         )
     return attentions, list(whole["short_conv"].values()), list(whole["recurrent"].values())
 
@@ -258,12 +264,13 @@ def _positions(model, decoder):
     return Positions()
 
 
-def _hooked(model, decoder):
+def _hooked(model, decoder, attention=True):
     """The modules whose pre-hook prepares the model's inputs, outer first: its base model and its
-    decoder (OPT's causal LM calls the decoder directly); ValueError for one without position_ids."""
+    decoder (OPT's causal LM calls the decoder directly); ValueError for one without position_ids
+    where the model has attention (Mamba2 alone needs no positions)."""
     hooked = list(dict.fromkeys([model.base_model, decoder]))
     for module in hooked:
-        if "position_ids" not in inspect.signature(module.forward).parameters:
+        if attention and "position_ids" not in inspect.signature(module.forward).parameters:
             raise _refuse("", module, "takes no position_ids, so it cannot be given its global positions")
     return hooked
 
@@ -277,7 +284,8 @@ def apply_inputs(model, decoder, hooked, group, validate, layout="contiguous", i
     positions = _positions(model, decoder)
     isolates = isolates_documents(hooked) if isolates is None else isolates
     types = getattr(decoder.config, "layer_types", None)
-    kinds = None if not types else frozenset(types)  # a mask of another kind reaches no layer
+    # a mask of another kind reaches no layer (a hybrid layer's attention: any kind)
+    kinds = None if not types or HYBRID in types else frozenset(types)
     for module in hooked:
         hook = ModelInputs(
             module, id(model), group, indexed, validate, layout, positions, chunk, isolates, kinds
@@ -347,7 +355,7 @@ def parallelize(
     if decoder.config._attn_implementation == IMPLEMENTATION:
         raise _refuse("", model, "is already context-parallel")
     attentions, convs, linear = _layers(model, decoder, group, layout, dense)
-    hooked = _hooked(model, decoder)
+    hooked = _hooked(model, decoder, attention=bool(attentions))
     apply_inputs(model, decoder, hooked, group, validate, layout, isolate_documents)
     paths = (
         apply_attention(decoder, attentions)

@@ -1,5 +1,6 @@
 """Linear-attention layers (Gated DeltaNet: Qwen3.5, Qwen3-Next, OLMo hybrid; Kimi Delta Attention:
-Kimi Linear): the model's own forward, with its two sequence functions made context-parallel.
+Kimi Linear; Mamba2: Nemotron-H, Granite 4.0 H, Falcon-H1, Bamba, Zamba2): the model's own forward,
+with its two sequence functions made context-parallel (MambaScan below for Mamba2's diagonal form).
 
 Such a layer is a causal depthwise conv (kernel K) in front of a chunked linear recurrence whose
 state S is [dk, dv] per head. Over a rank's chunk of the sequence the recurrence is an affine map of
@@ -32,7 +33,11 @@ CONV = "causal_conv1d_fn"  # (x [B, C, L], weight [C, K], bias, activation) -> [
 KERNELS = {  # chunked kernel -> the recurrence it computes
     "torch_chunk_gated_delta_rule": "Gated DeltaNet",
     "chunk_kimi_delta_attention": "Kimi Delta Attention",
+    "mamba2_chunk_scan": "Mamba2 (SSD)",
 }
+# fused kernels a forward tries first (mamba_ssm's conv + scan + norm + projection): under CP they
+# would run over the shard alone, so the CP forward takes the model's unfused path
+FUSED = ("mamba2_split_conv1d_scan_combined",)
 
 
 def kernel_of(module: nn.Module) -> str | None:
@@ -51,13 +56,19 @@ def apply_recurrent(module: nn.Module, group, layout: str) -> str:
     forward = inspect.unwrap(type(module).forward)
     scope = dict(forward.__globals__)
     scope[CONV] = ConvHalo(scope[CONV], group, layout)
-    scope[kernel] = ChunkState(scope[kernel], group, layout)
+    scope[kernel] = (MambaScan if kernel == "mamba2_chunk_scan" else ChunkState)(scope[kernel], group, layout)
+    scope.update({name: _unfused for name in FUSED if name in scope})
     own = types.FunctionType(
         forward.__code__, scope, forward.__name__, forward.__defaults__, forward.__closure__
     )
     own.__kwdefaults__ = forward.__kwdefaults__
     module.forward = types.MethodType(own, module)
     return KERNELS[kernel]
+
+
+def _unfused(*args, **kwargs):
+    """A fused kernel's result when it is not available: None, the forward's cue for its own path."""
+    return None
 
 
 class ConvHalo:
@@ -124,3 +135,49 @@ class ChunkState:
         ]
         out = out[0] if len(out) == 1 else torch.cat(out, dim=1)  # [B, L, H, dv]
         return out.to(query.dtype), None
+
+
+class MambaScan:
+    """The model's Mamba2 chunked scan (SSD) over each local chunk from the state the earlier chunks
+    leave. Per head the state S is [P, N] (head_dim, state) and a chunk's transition a scalar decay
+    a = exp(sum of A dt): S_out = a S_in + B, and the outputs y = y_0 + M S_in^T with M [L, N] the
+    C_t's decayed to t. One run of the scan gives all of them: the values widened by N zero columns,
+    the initial state [0; I] ([P + N, N]): the first P columns are y_0 (with D's skip) and B, the
+    last N are M and a I. gather_state then folds the maps with S as [1, P * N] and A = a."""
+
+    def __init__(self, scan, group, layout):
+        self.scan, self.group, self.layout = scan, group, layout
+
+    def __call__(self, hidden_states, dt, A, B, C, chunk_size, *args, initial_states=None, **kwargs):
+        # hidden_states: [B, L, H, P]; dt: [B, L, H]; A: [H]; B, C: [B, L, G, N]
+        given = [kwargs.get(k) for k in ("return_final_states", "cu_seqlens", "seq_idx")]
+        if args or initial_states is not None or any(v is not None and v is not False for v in given):
+            raise ValueError(
+                "torch_impl.hf: a Mamba2 layer was called with a recurrent state, for its final state or "
+                "with cu_seqlens / seq_idx: generation with a cache and flash-style packed sequences are "
+                "not supported under CP"
+            )
+        kwargs["return_final_states"] = True
+        n, r, L = _group.world_size(self.group), _group.rank(self.group), hidden_states.shape[1]
+        (batch, _, H, P), N = hidden_states.shape, B.shape[-1]
+        start = torch.eye(N, device=hidden_states.device).expand(batch, H, N, N)
+        start = torch.cat([start.new_zeros(batch, H, P, N), start], dim=2)  # [B, H, P + N, N]: 0; I
+        outs, decays, maps = [], [], []
+        for w in ShardPlan.of(self.layout, n, r, L).windows(0):
+            rows, length = w.queries, w.queries.stop - w.queries.start
+            x = hidden_states[:, rows]
+            wide = torch.cat([x, x.new_zeros(batch, length, H, N)], dim=-1)  # [B, C, H, P + N]
+            out, final = self.scan(
+                wide, dt[:, rows], A, B[:, rows], C[:, rows], chunk_size, initial_states=start, **kwargs
+            )
+            outs.append(out)  # [B, C, H, P + N]: y_0 | M
+            decays.append(final[:, :, P, :1, None])  # [B, H, 1, 1]: a (a I's first entry)
+            maps.append(final[:, :, :P].reshape(batch, H, 1, P * N))  # [B, H, 1, P * N]
+        # [B, k, H, P, N]: the state each local chunk starts from
+        states = gather_state(torch.stack(decays, 1), torch.stack(maps, 1), self.group, layout=self.layout)
+        states = states.reshape(batch, len(outs), H, P, N)
+        out = [
+            o[..., :P] + torch.einsum("bthn,bhpn->bthp", o[..., P:], states[:, i])  # [B, C, H, P]
+            for i, o in enumerate(outs)
+        ]
+        return out[0] if len(out) == 1 else torch.cat(out, dim=1)  # [B, L, H, P]
