@@ -56,6 +56,8 @@ bench-capacity: $(STAMP)
 		--json out/rank_capacity_dsa.json --plot out/rank_capacity_dsa.png
 	$(PY) -m benchmarks.rank_capacity --model qwen3_5 --lens 1024,4096 --reps 2 --layers 3 --hidden 1024 \
 		--json out/rank_capacity_qwen3_5.json --plot out/rank_capacity_qwen3_5.png
+	$(PY) -m benchmarks.rank_capacity --model mamba2 --lens 1024,4096 --reps 2 --layers 3 --hidden 1024 \
+		--json out/rank_capacity_mamba2.json --plot out/rank_capacity_mamba2.png
 	for model in gemma2 gpt_oss; do \
 		$(PY) -m benchmarks.rank_capacity --model $$model --lens 4096 --reps 2 --variants alone,torch_impl \
 			--json out/rank_capacity_$$model.json --plot out/rank_capacity_$$model.png || exit 1; \

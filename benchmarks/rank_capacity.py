@@ -101,7 +101,7 @@ def measure(variant, args, L, device):
     else:
         peak = peak_mib() - base
     result = {"peak_mib": peak, "ms": 1000 * statistics.median(times)}
-    if variant != "alone" and args.model == "qwen3_5":  # one more step, its bytes counted
+    if variant != "alone" and args.model in ("qwen3_5", "mamba2"):  # one more step, its bytes counted
         with PayloadCounter() as counter:
             step()
         result["received_per_layer"] = counter.received // args.layers
@@ -222,7 +222,9 @@ def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=8, help="CP ranks; this process plays rank n-1")
     p.add_argument(
-        "--model", choices=("gemma3", "gemma2", "gpt_oss", "deepseek_v32", "qwen3_5"), default="gemma3"
+        "--model",
+        choices=("gemma3", "gemma2", "gpt_oss", "deepseek_v32", "qwen3_5", "mamba2"),
+        default="gemma3",
     )
     p.add_argument("--topk", type=int, default=256, help="deepseek_v32: keys each query picks")
     p.add_argument("--lens", default="1024,2048,4096", help="tokens per rank")
@@ -244,8 +246,10 @@ def parse(argv):
     p.add_argument("--child-len", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     known = VARIANTS
-    if args.model in ("deepseek_v32", "qwen3_5"):  # no dense path; qwen3_5's layers have no attention
-        known = ("alone", "torch_impl") if args.model == "qwen3_5" else ("alone", "torch_impl", "allgather")
+    if args.model in ("deepseek_v32", "qwen3_5", "mamba2"):  # no dense path; recurrent layers alone
+        known = (
+            ("alone", "torch_impl", "allgather") if args.model == "deepseek_v32" else ("alone", "torch_impl")
+        )
     args.variants = args.variants or ",".join(known)
     unknown = set(args.variants.split(",")) - set(known)
     if unknown:
@@ -266,6 +270,7 @@ def main(argv=None):
     model = {
         "deepseek_v32": f"DeepSeek V3.2 (build_dsa), top-k {args.topk}",
         "qwen3_5": f"Qwen3.5's Gated DeltaNet, {args.layers} layers, hidden {args.hidden}, 16 heads of 128",
+        "mamba2": f"Mamba2 at Nemotron-H's head sizes, {args.layers} layers, hidden {args.hidden}",
     }.get(args.model) or f"{args.model}, hidden {args.hidden}, window {args.window or WINDOWS[args.model]}"
     print(
         f"# one CP rank (rank {args.n - 1} of {args.n}, fake process group) on {device}: {model}, "

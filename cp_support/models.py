@@ -89,6 +89,8 @@ def capacity_model(args, max_positions):
         return capacity_dsa(args, max_positions)
     if args.model == "qwen3_5":
         return capacity_qwen3_5(args, max_positions)
+    if args.model == "mamba2":
+        return capacity_mamba2(args, max_positions)
     period = 6 if args.model == "gemma3" else 2
     layer_types = [
         "full_attention" if i % period == period - 1 else "sliding_attention" for i in range(args.layers)
@@ -140,6 +142,26 @@ def capacity_qwen3_5(args, max_positions):
         max_position_embeddings=max_positions,
     )
     return tf.Qwen3_5ForCausalLM(config)
+
+
+def capacity_mamba2(args, max_positions):
+    """Mamba2 layers alone (`--layers`), at Nemotron-H's head sizes: heads of 64 dims, state 128, 8
+    groups, conv kernel 4, scan chunks of 128; 32 heads (2 x `--hidden` = 2048 inner dims)."""
+    import transformers as tf
+
+    config = tf.Mamba2Config(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_heads=2 * args.hidden // 64,
+        head_dim=64,
+        expand=2,
+        state_size=128,
+        n_groups=8,
+        conv_kernel=4,
+        chunk_size=128,
+    )
+    return tf.Mamba2ForCausalLM(config)
 
 
 def capacity_dsa(args, max_positions):

@@ -132,6 +132,21 @@ def _configs(head_dim=8):
                 )
             )
         ),
+        # Mamba2 (SSD) then attention; scan chunks of 8 tokens, so a shard of 6 or 12 straddles them
+        "bamba": lambda: tf.BambaForCausalLM(
+            tf.BambaConfig(
+                **_small(num_hidden_layers=2),
+                attn_layer_indices=[1],
+                mamba_n_heads=4,
+                mamba_d_head=8,
+                mamba_n_groups=1,
+                mamba_d_state=4,
+                mamba_d_conv=4,
+                mamba_expand=1,
+                mamba_chunk_size=8,
+                pad_token_id=0,
+            )
+        ),
         # refused by parallelize
         "mamba": lambda: tf.MambaForCausalLM(
             tf.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=4, num_hidden_layers=2)
@@ -163,7 +178,7 @@ def _configs(head_dim=8):
     }
 
 
-SUPPORTED = ("gemma3", "gemma2", "mistral", "lfm2", "llama", "gpt_oss", "qwen3_5", "kimi_linear")
+SUPPORTED = ("gemma3", "gemma2", "mistral", "lfm2", "llama", "gpt_oss", "qwen3_5", "kimi_linear", "bamba")
 INDEXED = ("deepseek_v32", "glm_moe_dsa")  # DeepSeek Sparse Attention
 REFUSED = {  # model -> what the error names
     "mamba": "(MambaForCausalLM) carries recurrent state",

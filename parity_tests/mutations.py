@@ -299,15 +299,15 @@ MUTATIONS += [
     Mutation(  # a Mamba2 layer's chunks given each other's states (head and tail swapped)
         "mamba_state_misrouted",
         "torch_impl/hf/recurrent.py",
-        'torch.einsum("bthn,bhpn->bthp", o[..., P:], states[:, i])',
-        'torch.einsum("bthn,bhpn->bthp", o[..., P:], states[:, -1 - i])',
+        'torch.einsum("bthn,bhpn->bthp", c, states[:, i])',
+        'torch.einsum("bthn,bhpn->bthp", c, states[:, -1 - i])',
         ("parity_tests/test_recurrent.py", "-k", "mamba2_integer and 2-head_tail"),
     ),
-    Mutation(  # a Mamba2 chunk's decay not applied to the states passing through it
-        "mamba_decay_dropped",
+    Mutation(  # a Mamba2 chunk's decay applied one token late to the state it receives
+        "mamba_decay_one_token_late",
         "torch_impl/hf/recurrent.py",
-        "decays.append(final[:, :, P, :1, None])",
-        "decays.append(torch.ones_like(final[:, :, P, :1, None]))",
+        "log_decay = (A.float() * step.float()).cumsum(dim=1)",
+        "log_decay = (A.float() * step.float()).cumsum(dim=1).roll(1, dims=1)",
         ("parity_tests/test_recurrent.py", "-k", "mamba2_random and contiguous"),
     ),
 ]

@@ -138,46 +138,64 @@ class ChunkState:
 
 
 class MambaScan:
-    """The model's Mamba2 chunked scan (SSD) over each local chunk from the state the earlier chunks
-    leave. Per head the state S is [P, N] (head_dim, state) and a chunk's transition a scalar decay
-    a = exp(sum of A dt): S_out = a S_in + B, and the outputs y = y_0 + M S_in^T with M [L, N] the
-    C_t's decayed to t. One run of the scan gives all of them: the values widened by N zero columns,
-    the initial state [0; I] ([P + N, N]): the first P columns are y_0 (with D's skip) and B, the
-    last N are M and a I. gather_state then folds the maps with S as [1, P * N] and A = a."""
+    """The model's Mamba2 chunked scan (SSD) over each local chunk, corrected by the state the
+    earlier chunks leave. Per head the state S is [P, N] (head_dim, state) and a chunk's transition
+    a scalar decay: S_out = a S_in + B with a = exp(sum of A dt), and the outputs are
+    y_t = y0_t + exp(sum of A dt up to t) S_in C_t (y0: from a zero state, D's skip included). So
+    one run of the scan from zero gives y0 and B (its final state); a and the decays to each token
+    come from dt as the scan discretizes it (dt + dt_bias, softplus, clamped to dt_limit); no
+    second pass over the shard. gather_state folds (a, B) with S as [1, P * N]."""
 
     def __init__(self, scan, group, layout):
         self.scan, self.group, self.layout = scan, group, layout
 
-    def __call__(self, hidden_states, dt, A, B, C, chunk_size, *args, initial_states=None, **kwargs):
+    def __call__(
+        self,
+        hidden_states,
+        dt,
+        A,
+        B,
+        C,
+        chunk_size,
+        *args,
+        initial_states=None,
+        dt_bias=None,
+        dt_softplus=False,
+        dt_limit=(0.0, float("inf")),
+        **kwargs,
+    ):
         # hidden_states: [B, L, H, P]; dt: [B, L, H]; A: [H]; B, C: [B, L, G, N]
-        given = [kwargs.get(k) for k in ("return_final_states", "cu_seqlens", "seq_idx")]
+        given = [kwargs.pop(k, None) for k in ("return_final_states", "cu_seqlens", "seq_idx")]
         if args or initial_states is not None or any(v is not None and v is not False for v in given):
             raise ValueError(
                 "torch_impl.hf: a Mamba2 layer was called with a recurrent state, for its final state or "
                 "with cu_seqlens / seq_idx: generation with a cache and flash-style packed sequences are "
                 "not supported under CP"
             )
-        kwargs["return_final_states"] = True
         n, r, L = _group.world_size(self.group), _group.rank(self.group), hidden_states.shape[1]
         (batch, _, H, P), N = hidden_states.shape, B.shape[-1]
-        start = torch.eye(N, device=hidden_states.device).expand(batch, H, N, N)
-        start = torch.cat([start.new_zeros(batch, H, P, N), start], dim=2)  # [B, H, P + N, N]: 0; I
+        discrete = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
         outs, decays, maps = [], [], []
         for w in ShardPlan.of(self.layout, n, r, L).windows(0):
-            rows, length = w.queries, w.queries.stop - w.queries.start
-            x = hidden_states[:, rows]
-            wide = torch.cat([x, x.new_zeros(batch, length, H, N)], dim=-1)  # [B, C, H, P + N]
-            out, final = self.scan(
-                wide, dt[:, rows], A, B[:, rows], C[:, rows], chunk_size, initial_states=start, **kwargs
-            )
-            outs.append(out)  # [B, C, H, P + N]: y_0 | M
-            decays.append(final[:, :, P, :1, None])  # [B, H, 1, 1]: a (a I's first entry)
-            maps.append(final[:, :, :P].reshape(batch, H, 1, P * N))  # [B, H, 1, P * N]
+            rows = w.queries
+            y0, final = self.scan(  # [B, C, H, P], [B, H, P, N]
+                hidden_states[:, rows], dt[:, rows], A, B[:, rows], C[:, rows], chunk_size,
+                return_final_states=True, **discrete, **kwargs,
+            )  # fmt: skip
+            step = dt[:, rows] if dt_bias is None else dt[:, rows] + dt_bias.to(dt.dtype)
+            step = torch.nn.functional.softplus(step) if dt_softplus else step
+            step = torch.clamp(step, min=dt_limit[0], max=dt_limit[1])
+            log_decay = (A.float() * step.float()).cumsum(dim=1)  # [B, C, H]: to each token, inclusive
+            outs.append((y0, log_decay, C[:, rows]))
+            decays.append(log_decay[:, -1].exp()[..., None, None])  # [B, H, 1, 1]: a
+            maps.append(final.reshape(batch, H, 1, P * N))  # [B, H, 1, P * N]: B
         # [B, k, H, P, N]: the state each local chunk starts from
         states = gather_state(torch.stack(decays, 1), torch.stack(maps, 1), self.group, layout=self.layout)
         states = states.reshape(batch, len(outs), H, P, N)
-        out = [
-            o[..., :P] + torch.einsum("bthn,bhpn->bthp", o[..., P:], states[:, i])  # [B, C, H, P]
-            for i, o in enumerate(outs)
-        ]
+        out = []
+        for i, (y0, log_decay, c) in enumerate(outs):
+            c = (
+                c.float().repeat_interleave(H // c.shape[2], dim=2) * log_decay.exp()[..., None]
+            )  # [B, C, H, N]
+            out.append(y0 + torch.einsum("bthn,bhpn->bthp", c, states[:, i]))  # [B, C, H, P]
         return out[0] if len(out) == 1 else torch.cat(out, dim=1)  # [B, L, H, P]
