@@ -73,7 +73,8 @@ def _unfused(*args, **kwargs):
 
 class ConvHalo:
     """The model's causal conv over each local chunk's K - 1 preceding inputs, then the chunk: the
-    inputs arrive masked (the layer zeroes padding before its projections), so no mask travels."""
+    inputs travel as the sending rank computed them (the layer masks padding before its
+    projections, as in one process), so no mask travels."""
 
     def __init__(self, conv, group, layout):
         self.conv, self.group, self.layout = conv, group, layout
