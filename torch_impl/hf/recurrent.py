@@ -66,6 +66,17 @@ def apply_recurrent(module: nn.Module, group, layout: str) -> str:
     return KERNELS[kernel]
 
 
+def _check_stateless(args, *given):
+    """ValueError where a kernel was given more positional arguments than its CP version knows, or
+    any of `given` (an initial state, a request for the final state, cu_seqlens / seq_idx) is set."""
+    if args or any(value is not None and value is not False for value in given):
+        raise ValueError(
+            "torch_impl.hf: a linear-attention layer was called with a recurrent state, for its final "
+            "state or with cu_seqlens / seq_idx: generation with a cache and flash-style packed "
+            "sequences are not supported under CP"
+        )
+
+
 def _unfused(*args, **kwargs):
     """A fused kernel's result when it is not available: None, the forward's cue for its own path."""
     return None
@@ -100,12 +111,7 @@ class ChunkState:
         self, query, key, value, g, beta, *args, initial_state=None, output_final_state=False, **kwargs
     ):
         # query, key: [B, L, Hk, dk]; value: [B, L, H, dv]; g: [B, L, H] or [B, L, H, dk]; beta: [B, L, H]
-        if args or initial_state is not None or output_final_state or kwargs.get("cu_seqlens") is not None:
-            raise ValueError(
-                "torch_impl.hf: a linear-attention layer was called with a recurrent state, for its final "
-                "state or with cu_seqlens: generation with a cache and flash-style packed sequences are "
-                "not supported under CP"
-            )
+        _check_stateless(args, initial_state, output_final_state, kwargs.get("cu_seqlens"))
         n, r, L = _group.world_size(self.group), _group.rank(self.group), query.shape[1]
         (B, _, H, dv), dk = value.shape, key.shape[-1]
         # [B, H, dk, dv + dk]: zeros beside the identity, so the final state is [B | A]
@@ -167,12 +173,7 @@ class MambaScan:
     ):
         # hidden_states: [B, L, H, P]; dt: [B, L, H]; A: [H]; B, C: [B, L, G, N]
         given = [kwargs.pop(k, None) for k in ("return_final_states", "cu_seqlens", "seq_idx")]
-        if args or initial_states is not None or any(v is not None and v is not False for v in given):
-            raise ValueError(
-                "torch_impl.hf: a Mamba2 layer was called with a recurrent state, for its final state or "
-                "with cu_seqlens / seq_idx: generation with a cache and flash-style packed sequences are "
-                "not supported under CP"
-            )
+        _check_stateless(args, initial_states, *given)
         n, r, L = _group.world_size(self.group), _group.rank(self.group), hidden_states.shape[1]
         (batch, _, H, P), N = hidden_states.shape, B.shape[-1]
         discrete = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
