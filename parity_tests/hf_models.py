@@ -147,9 +147,33 @@ def _configs(head_dim=8):
                 pad_token_id=0,
             )
         ),
+        # Mamba (a per-channel selective scan, normed dt, B, C) then attention with MoE
+        "jamba": lambda: _eager_experts(
+            tf.JambaForCausalLM(
+                tf.JambaConfig(
+                    **_small(num_hidden_layers=2),
+                    attn_layer_period=2,
+                    attn_layer_offset=1,
+                    num_experts=4,
+                    mamba_d_state=4,
+                    mamba_d_conv=4,
+                    mamba_expand=1,
+                    mamba_dt_rank=4,
+                    use_cache=False,
+                )
+            )
+        ),
         # refused by parallelize
-        "mamba": lambda: tf.MambaForCausalLM(
-            tf.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=4, num_hidden_layers=2)
+        "recurrent_gemma": lambda: tf.RecurrentGemmaForCausalLM(
+            tf.RecurrentGemmaConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                intermediate_size=48,
+                num_attention_heads=4,
+                num_hidden_layers=2,
+                lru_width=32,
+                block_types=["recurrent", "attention"],
+            )
         ),
         "t5": lambda: tf.T5ForConditionalGeneration(
             tf.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=1, num_heads=4)
@@ -178,10 +202,21 @@ def _configs(head_dim=8):
     }
 
 
-SUPPORTED = ("gemma3", "gemma2", "mistral", "lfm2", "llama", "gpt_oss", "qwen3_5", "kimi_linear", "bamba")
+SUPPORTED = (
+    "gemma3",
+    "gemma2",
+    "mistral",
+    "lfm2",
+    "llama",
+    "gpt_oss",
+    "qwen3_5",
+    "kimi_linear",
+    "bamba",
+    "jamba",
+)
 INDEXED = ("deepseek_v32", "glm_moe_dsa")  # DeepSeek Sparse Attention
 REFUSED = {  # model -> what the error names
-    "mamba": "(MambaForCausalLM) carries recurrent state",
+    "recurrent_gemma": "(RecurrentGemmaForCausalLM) carries recurrent state",
     "t5": "encoder.block.0.layer.0.SelfAttention (T5Attention) is bidirectional or cross attention",
     "gemma3_bidirectional": "model.layers.0.self_attn (Gemma3Attention) is bidirectional",
     "deepseek_v4": "has ['compressed_sparse_attention'] layers, a kind the adapter does not know",

@@ -310,6 +310,20 @@ MUTATIONS += [
         "log_decay = (A.float() * step.float()).cumsum(dim=1).roll(1, dims=1)",
         ("parity_tests/test_recurrent.py", "-k", "mamba2_random and contiguous"),
     ),
+    Mutation(  # Mamba: a chunk corrected by the state of the rank's other chunk
+        "selective_state_misrouted",
+        "torch_impl/hf/recurrent.py",
+        "carried = decay * states[:, i, :, None, :]",
+        "carried = decay * states[:, -1 - i, :, None, :]",
+        ("parity_tests/test_recurrent.py", "-k", "selective_scan_integer and 2-head_tail"),
+    ),
+    Mutation(  # Mamba: the decay to each token of the state it receives applied one token late
+        "selective_decay_one_token_late",
+        "torch_impl/hf/recurrent.py",
+        "outs.append((y0, decay, C[..., rows]))",
+        "outs.append((y0, decay.roll(1, dims=2), C[..., rows]))",
+        ("parity_tests/test_recurrent.py", "-k", "selective_scan_random and contiguous"),
+    ),
 ]
 
 

@@ -91,3 +91,41 @@ def mamba_state(group, inputs, cotangent, layout):
     out = MambaScan(mamba_scan(), group, layout)(*args, **kwargs)
     out.backward(cotangent[:, rows])
     return out.detach(), {key: leaf.grad for key, leaf in leaves.items()}
+
+
+SELECTIVE_NAMES = ("u", "dt", "B", "C", "z")  # by token, channels first: [B, D, L] or [B, N, L]
+SELECTIVE_LAYER = ("A", "D", "delta_bias")  # the layer's own: [D, N], [D], [D]
+
+
+def _selective(scan, leaves, softplus):
+    """Mamba's selective scan (transformers' torch one, or it made CP) on `leaves`."""
+    from transformers.models.mamba.modeling_mamba import mamba_selective_scan
+
+    args = (leaves[key] for key in ("u", "dt", "A", "B", "C"))
+    kwargs = {key: leaves.get(key) for key in ("D", "z", "delta_bias")}
+    return (scan or mamba_selective_scan)(*args, **kwargs, delta_softplus=softplus)
+
+
+def selective_one_process(inputs, cotangent, softplus):
+    """Mamba's selective scan over the whole sequence: its output [B, D, S] and every gradient."""
+    leaves = {key: None if x is None else x.clone().requires_grad_(True) for key, x in inputs.items()}
+    out = _selective(None, leaves, softplus)
+    out.backward(cotangent)
+    return out.detach(), {key: leaf.grad for key, leaf in leaves.items() if leaf is not None}
+
+
+def selective_state(group, inputs, cotangent, layout, softplus):
+    """The scan made CP (torch_impl.hf.recurrent.SelectiveScan) on this rank's tokens: its output
+    [B, D, L] and the gradients of this rank's token inputs and its partial ones of the layer's."""
+    from transformers.models.mamba.modeling_mamba import mamba_selective_scan
+
+    from torch_impl.hf.recurrent import SelectiveScan
+
+    n, r = group.size(), group.rank()
+    rows = ShardPlan.of(layout, n, r, inputs["u"].shape[-1] // n).rows()  # [L]
+    leaves = {key: inputs[key] for key in SELECTIVE_NAMES if inputs[key] is not None}  # (z: a gate or None)
+    leaves = {key: x[..., rows].clone().requires_grad_(True) for key, x in leaves.items()}
+    leaves |= {key: inputs[key].clone().requires_grad_(True) for key in SELECTIVE_LAYER}
+    out = _selective(SelectiveScan(mamba_selective_scan, group, layout), leaves, softplus)
+    out.backward(cotangent[..., rows])
+    return out.detach(), {key: leaf.grad for key, leaf in leaves.items()}

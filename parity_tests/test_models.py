@@ -35,7 +35,8 @@ QUICK = {  # family: (what it exercises, its verdict)
     "minimax": ("a linear attention the adapter does not know", "refused"),
     "nemotron_h": ("Mamba2 layers (a decay per head), attention, MLP and MoE layers", "exact"),
     "falcon_h1": ("attention and Mamba2 in parallel in every layer", "exact"),
-    "jamba": ("Mamba (a per-channel selective scan): not yet", "refused"),
+    "jamba": ("Mamba (a per-channel selective scan), attention and MoE", "exact"),
+    "zamba": ("Mamba scans called once per Mamba head", "exact"),
 }
 
 

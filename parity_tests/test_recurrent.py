@@ -177,3 +177,92 @@ def test_mamba2_random_states_equal_one_process(pool, layout):
             bounds.check(worst, 1.0, f"grad of {key}")
         bound = gamma * S * ref_grads["dt"].abs().max()
         bounds.check((grads["dt"] - ref_grads["dt"][:, rows]).abs().max(), bound, "grad of dt")
+
+
+# --- Mamba: a decay per channel and state entry, the state [channels D, state N] ---------------
+
+
+def selective_inputs(kind, S, D=6, N=4, B=2, seed=0):
+    """Global inputs of Mamba's selective scan: "exact" (A = 0, no decay, dt = 1 with no softplus,
+    small integers, no gate: every state, output and gradient an integer) or "random" (a gate;
+    softplus(dt + bias) about 0.7, decays exp(A dt) with A in (-1/8, 0): a state lasting about ten
+    to a hundred tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "exact":
+        ints = lambda *shape: torch.randint(-2, 3, shape, generator=gen).float()  # noqa: E731
+        data = {"u": ints(B, D, S), "dt": torch.ones(B, D, S), "B": ints(B, N, S), "C": ints(B, N, S)}
+        return data | {"A": torch.zeros(D, N), "D": ints(D), "delta_bias": torch.zeros(D), "z": None}
+    return {
+        "u": torch.randn(B, D, S, generator=gen),
+        "dt": torch.randn(B, D, S, generator=gen) / 4,
+        "B": torch.randn(B, N, S, generator=gen),
+        "C": torch.randn(B, N, S, generator=gen),
+        "A": -torch.rand(D, N, generator=gen) / 8,
+        "D": torch.randn(D, generator=gen),
+        "delta_bias": torch.randn(D, generator=gen) / 4,
+    } | {"z": torch.randn(B, D, S, generator=gen)}
+
+
+def run_selective(pool, data, n, layout, softplus):
+    cotangent = torch.randint(-2, 3, data["u"].shape, generator=torch.Generator().manual_seed(3)).float()
+    ref = recurrent_cases.selective_one_process(data, cotangent, softplus)
+    results = pool.run(("first", n), recurrent_cases.selective_state, data, cotangent, layout, softplus)[0]
+    L = data["u"].shape[-1] // n
+    return (
+        data,
+        cotangent,
+        ref,
+        [(expected.local_tokens(n, L, r, layout), res) for r, res in enumerate(results)],
+    )
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("n", [2, 4])
+def test_selective_scan_integer_states_equal_one_process_to_the_bit(pool, n, layout):
+    """No decay, dt = 1, no gate: the state is a running sum of u_t B_t, every value an integer."""
+    data, _, (ref_out, ref_grads), ranks = run_selective(
+        pool, selective_inputs("exact", 96), n, layout, False
+    )
+    assert ref_out.abs().max() > 8  # states carry values across ranks
+    for key in recurrent_cases.SELECTIVE_LAYER:  # each rank's share adds up to one process's
+        assert torch.equal(sum(res[1][key] for _, res in ranks), ref_grads[key]), key
+    for rows, (out, grads) in ranks:
+        assert torch.equal(out, ref_out[..., rows])
+        for key in ("u", "dt", "B", "C"):
+            assert torch.equal(grads[key], ref_grads[key][..., rows]), key
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_selective_scan_random_states_equal_one_process(pool, layout):
+    """As Mamba2's: each output before the gate, and each gradient of u, B and C, is a sum of
+    products at most d = S + N + 2n roundings deep, within gamma_d of the same computation on
+    absolute values (A, dt and the decays as they are); times the gate's |silu(z)|. The gradients
+    of dt, z and the layer's own parameters mix signs: within twice gamma_d * S of their largest
+    entry."""
+    S, n = 96, 4
+    data, cotangent, (ref_out, ref_grads), ranks = run_selective(
+        pool, selective_inputs("random", S), n, layout, True
+    )
+    kept = ("A", "dt", "delta_bias")  # the decays stay as they are
+    absolute = {key: value if key in kept else value.abs() for key, value in data.items() if key != "z"}
+    gate = torch.nn.functional.silu(data["z"]).abs()
+    abs_out, abs_grads = recurrent_cases.selective_one_process(
+        absolute | {"z": None}, cotangent.abs() * gate, True
+    )
+    d, u = S + data["B"].shape[1] + 2 * n, bounds.u("float32")
+    gamma = 2 * d * u / (1 - d * u)
+
+    def ratio(difference, bound):  # the worst entry's difference over its bound (0 where both are)
+        return torch.where(difference == 0, 0.0, difference.abs() / bound).max()
+
+    for key in recurrent_cases.SELECTIVE_LAYER:
+        summed = sum(res[1][key] for _, res in ranks)
+        bounds.check((summed - ref_grads[key]).abs().max(), gamma * S * ref_grads[key].abs().max(), key)
+    for rows, (out, grads) in ranks:
+        bounds.check(ratio(out - ref_out[..., rows], gamma * (abs_out * gate)[..., rows]), 1.0, "outputs")
+        for key in ("u", "B", "C"):
+            worst = ratio(grads[key] - ref_grads[key][..., rows], gamma * abs_grads[key][..., rows])
+            bounds.check(worst, 1.0, f"grad of {key}")
+        for key in ("dt", "z"):
+            bound = gamma * S * ref_grads[key].abs().max()
+            bounds.check((grads[key] - ref_grads[key][..., rows]).abs().max(), bound, f"grad of {key}")

@@ -27,7 +27,8 @@ linear-attention modules run with CP versions of their conv and chunked kernel:
 | linear attention: Gated DeltaNet        | the conv's input:             | the module's own forward, |
 | (Qwen3.5, Qwen3-Next, OLMo hybrid),     | gather_halo(K - 1); the       | its conv over the halo,   |
 | KDA (Kimi Linear), Mamba2 (Nemotron-H,  | state: gather_state of every  | its chunked kernel from   |
-| Granite 4.0 H, Falcon-H1, Bamba, ...)   | chunk's (A, B)                | the earlier chunks' state |
+| Granite 4.0 H, Falcon-H1, Bamba, ...),  | chunk's (A, B)                | the earlier chunks' state |
+| Mamba (Jamba, Zamba, Falcon Mamba, ...) |                               |                           |
 | DeepSeek Sparse Attention (DeepSeek     | MLA latents and indexer keys  | the model's own indexer,  |
 | V3.2, GLM-5: `indexed_attention`)       | of the causal prefix:         | blocked; sparse_mla_      |
 |                                         | gather_halo((n-1)*L)          | attention (absorbed MLA)  |
@@ -47,7 +48,7 @@ train mode, which it does not apply: such calls keep the model's own mask and at
 (`sdpa`, or its module's `eager_attention_forward`) on a dense [L, T] mask. Packed sequences
 (position_ids that restart, no attention_mask, no cache: when transformers isolates the documents)
 add document ids, made once per forward from the gathered positions. Whatever this cannot make
-exact raises `ValueError`: at `parallelize` (recurrent layers but Gated DeltaNet, KDA, Mamba2; cross or
+exact raises `ValueError`: at `parallelize` (recurrent layers but Gated DeltaNet, KDA, Mamba2, Mamba; cross or
 bidirectional attention, attention outside transformers' AttentionInterface or editing its own
 mask, unknown sequence convolutions, flash/flex kernels), or at the first call (a KV cache past the
 first step, custom mask overlays, a 4-D mask, non-text inputs). Which families are exact and which

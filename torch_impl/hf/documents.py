@@ -38,7 +38,8 @@ _ISOLATING = """
 _NOT_ISOLATING = """
     AfmoeModel BertGenerationEncoder BertModel BigBirdModel BioGptModel BloomModel
     CamembertModel Data2VecTextModel ElectraModel ErnieModel FalconModel GptOssModel
-    GraniteMoeHybridModel MegatronBertModel MptModel OPTDecoder RemBertModel RoCBertModel
+    FalconMambaModel GraniteMoeHybridModel Mamba2Model MambaModel MegatronBertModel MptModel
+    OPTDecoder RemBertModel RoCBertModel
     RoFormerModel RobertaModel RobertaPreLayerNormModel XGLMModel XLMRobertaModel
     XLMRobertaXLModel XmodModel
 """

@@ -219,7 +219,7 @@ class ModelInputs:
                 position_ids=positions,
                 use_cache=False,
             )
-        if "position_ids" not in self.arguments.names:  # a model without attention (Mamba2)
+        if "position_ids" not in self.arguments.names:  # a model without attention (Mamba)
             return args, kwargs
         return self.arguments.replace(args, kwargs, position_ids=positions)
 

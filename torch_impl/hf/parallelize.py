@@ -30,7 +30,7 @@ SUPPORTED_LAYER_TYPES = (
     "chunked_attention",
     "conv",
     INDEXED,
-    "linear_attention",  # where each is a Gated DeltaNet, KDA or Mamba2 (torch_impl.hf.recurrent)
+    "linear_attention",  # where each is a Gated DeltaNet, KDA, Mamba2 or Mamba (torch_impl.hf.recurrent)
     "mlp",  # Nemotron-H's layers without a token mixer
     "moe",
 )
@@ -211,7 +211,7 @@ def _layers(model, decoder, group, layout, dense=False):
             "",
             model,
             f"{RECURRENCE}: {linear} 'linear_attention' layers, of which {len(whole['recurrent'])} are "
-            f"Gated DeltaNet, KDA or Mamba2 modules calling the chunked kernels {sorted(KERNELS)}",
+            f"Gated DeltaNet, KDA, Mamba2 or Mamba modules calling the kernels {sorted(KERNELS)}",
         )
     return attentions, list(whole["short_conv"].values()), list(whole["recurrent"].values())
 
@@ -267,7 +267,7 @@ def _positions(model, decoder):
 def _hooked(model, decoder, attention=True):
     """The modules whose pre-hook prepares the model's inputs, outer first: its base model and its
     decoder (OPT's causal LM calls the decoder directly); ValueError for one without position_ids
-    where the model has attention (Mamba2 alone needs no positions)."""
+    where the model has attention (Mamba alone needs no positions)."""
     hooked = list(dict.fromkeys([model.base_model, decoder]))
     for module in hooked:
         if attention and "position_ids" not in inspect.signature(module.forward).parameters:

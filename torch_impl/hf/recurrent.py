@@ -1,6 +1,7 @@
 """Linear-attention layers (Gated DeltaNet: Qwen3.5, Qwen3-Next, OLMo hybrid; Kimi Delta Attention:
-Kimi Linear; Mamba2: Nemotron-H, Granite 4.0 H, Falcon-H1, Bamba, Zamba2): the model's own forward,
-with its two sequence functions made context-parallel (MambaScan below for Mamba2's diagonal form).
+Kimi Linear; Mamba2: Nemotron-H, Granite 4.0 H, Falcon-H1, Bamba, Zamba2; Mamba: Jamba, Zamba,
+Mamba, Falcon Mamba): the model's own forward, with its two sequence functions made
+context-parallel (MambaScan and SelectiveScan below for the diagonal forms).
 
 Such a layer is a causal depthwise conv (kernel K) in front of a chunked linear recurrence whose
 state S is [dk, dv] per head. Over a rank's chunk of the sequence the recurrence is an affine map of
@@ -34,10 +35,11 @@ KERNELS = {  # chunked kernel -> the recurrence it computes
     "torch_chunk_gated_delta_rule": "Gated DeltaNet",
     "chunk_kimi_delta_attention": "Kimi Delta Attention",
     "mamba2_chunk_scan": "Mamba2 (SSD)",
+    "mamba_selective_scan": "Mamba (selective scan)",
 }
 # fused kernels a forward tries first (mamba_ssm's conv + scan + norm + projection): under CP they
 # would run over the shard alone, so the CP forward takes the model's unfused path
-FUSED = ("mamba2_split_conv1d_scan_combined",)
+FUSED = ("mamba2_split_conv1d_scan_combined", "mamba_inner_fn")
 
 
 def kernel_of(module: nn.Module) -> str | None:
@@ -56,7 +58,8 @@ def apply_recurrent(module: nn.Module, group, layout: str) -> str:
     forward = inspect.unwrap(type(module).forward)
     scope = dict(forward.__globals__)
     scope[CONV] = ConvHalo(scope[CONV], group, layout)
-    scope[kernel] = (MambaScan if kernel == "mamba2_chunk_scan" else ChunkState)(scope[kernel], group, layout)
+    cp = {"mamba2_chunk_scan": MambaScan, "mamba_selective_scan": SelectiveScan}.get(kernel, ChunkState)
+    scope[kernel] = cp(scope[kernel], group, layout)
     scope.update({name: _unfused for name in FUSED if name in scope})
     own = types.FunctionType(
         forward.__code__, scope, forward.__name__, forward.__defaults__, forward.__closure__
@@ -90,8 +93,9 @@ class ConvHalo:
     def __init__(self, conv, group, layout):
         self.conv, self.group, self.layout = conv, group, layout
 
-    def __call__(self, x, weight, bias=None, activation=None, **kwargs):
+    def __call__(self, x, weight, bias=None, activation=None, seq_idx=None, **kwargs):
         # x: [B, C, L]; weight: [C, K]
+        _check_stateless((), seq_idx)
         n, r, L = _group.world_size(self.group), _group.rank(self.group), x.shape[-1]
         reach = weight.shape[-1] - 1
         halo = gather_halo(x.transpose(1, 2), self.group, reach, layout=self.layout)  # [B, T, C]
@@ -201,3 +205,48 @@ class MambaScan:
             )  # [B, C, H, N]
             out.append(y0 + torch.einsum("bthn,bhpn->bthp", c, states[:, i]))  # [B, C, H, P]
         return out[0] if len(out) == 1 else torch.cat(out, dim=1)  # [B, L, H, P]
+
+
+class SelectiveScan:
+    """The model's Mamba selective scan over each local chunk, corrected by the state the earlier
+    chunks leave. Per channel d the state is [N] and its transition diagonal, exp(A[d] dt_t), so over
+    a chunk S_out = a * S_in + B with a = exp(A[d] * sum of dt), and the outputs before the gate are
+    y_t = y0_t + C_t . (exp(A[d] * sum of dt up to t) * S_in) (y0: from a zero state, D's skip
+    included). One run of the scan from zero, ungated, gives y0 and B (its final state); dt is
+    discretized as the scan does it (dt + delta_bias, softplus); then the gate. gather_state folds
+    (a, B) with each of the D * N state entries its own 1 x 1 map."""
+
+    def __init__(self, scan, group, layout):
+        self.scan, self.group, self.layout = scan, group, layout
+
+    def __call__(
+        self, u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+        return_last_state=False, **kwargs,
+    ):  # fmt: skip
+        # u, dt, z: [batch, D, L]; A: [D, N]; B, C: [batch, N, L]; D, delta_bias: [D]
+        _check_stateless((), return_last_state, kwargs.get("cu_seqlens"), kwargs.get("seq_idx"))
+        n, r, L = _group.world_size(self.group), _group.rank(self.group), u.shape[-1]
+        (batch, channels, _), N = u.shape, A.shape[-1]
+        outs, decays, maps = [], [], []
+        for w in ShardPlan.of(self.layout, n, r, L).windows(0):
+            rows = w.queries
+            y0, final = self.scan(  # [batch, D, C], [batch, D, N]
+                u[..., rows], dt[..., rows], A, B[..., rows], C[..., rows], D=D, z=None,
+                delta_bias=delta_bias, delta_softplus=delta_softplus, return_last_state=True, **kwargs,
+            )  # fmt: skip
+            step = dt[..., rows] if delta_bias is None else dt[..., rows] + delta_bias.to(dt.dtype)[..., None]
+            step = torch.nn.functional.softplus(step) if delta_softplus else step
+            elapsed = step.to(torch.promote_types(step.dtype, A.dtype)).cumsum(dim=-1)  # [batch, D, C]
+            decay = (A[:, None, :] * elapsed[..., None]).exp()  # [batch, D, C, N]: to each token
+            outs.append((y0, decay, C[..., rows]))
+            decays.append(decay[:, :, -1].reshape(batch, channels * N, 1, 1))  # a
+            maps.append(final.reshape(batch, channels * N, 1, 1).to(decay.dtype))  # B
+        # [batch, k, D, N]: the state each local chunk starts from
+        states = gather_state(torch.stack(decays, 1), torch.stack(maps, 1), self.group, layout=self.layout)
+        states = states.reshape(batch, len(outs), channels, N)
+        out = []
+        for i, (y0, decay, c) in enumerate(outs):
+            carried = decay * states[:, i, :, None, :]  # [batch, D, C, N]
+            out.append(y0 + torch.einsum("bdtn,bnt->bdt", carried, c.to(carried.dtype)))  # [batch, D, C]
+        out = out[0] if len(out) == 1 else torch.cat(out, dim=-1)  # [batch, D, L]
+        return out if z is None else out * torch.nn.functional.silu(z)
