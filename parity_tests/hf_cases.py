@@ -1,13 +1,13 @@
 """What each gloo rank runs for the hf tests: a tiny transformers model made CP by torch_impl.hf."""
 
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 from transformers import DynamicCache
 
 from cp_support.traffic import PayloadCounter, tag_layers
-from parity_tests import hf_models
+from parity_tests import hf_models, zoo_cases
 from parity_tests.hf_reference import float64_steps
 import torch_impl
 from torch_impl import hf
@@ -93,18 +93,7 @@ def cp_step(
 def _steps(model, kwargs):
     """Checkpointing kwargs whose recomputation runs under float64_steps(model) as the forward does
     (a function mode is not active in backward)."""
-    if isinstance(float64_steps(model), nullcontext):
-        return kwargs
-    inner = kwargs.get("context_fn", lambda: (nullcontext(), nullcontext()))
-    return kwargs | {"context_fn": lambda: tuple(_entered(float64_steps(model), c) for c in inner())}
-
-
-@contextmanager
-def _entered(*managers):
-    with ExitStack() as stack:
-        for manager in managers:
-            stack.enter_context(manager)
-        yield
+    return kwargs if isinstance(float64_steps(model), nullcontext) else zoo_cases.float64_recompute(kwargs)
 
 
 def exchange_calls(group, L, layout):

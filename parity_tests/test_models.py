@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from parity_tests import model_sweep, zoo_cases
+from parity_tests import model_sweep, zoo, zoo_cases
 
 QUICK = {  # family: (what it exercises, its verdict)
     "llama": ("full attention", "exact"),
@@ -84,3 +84,16 @@ def test_the_whole_model_compiles_as_one_graph(pool):
         0
     ]:
         assert difference == 0.0, difference
+
+
+STATE_SPACE = ("nemotron_h", "granitemoehybrid", "falcon_h1", "zamba2", "mamba2", "jamba", "zamba")
+
+
+@pytest.mark.parametrize("family", STATE_SPACE)
+def test_state_space_families_on_four_ranks_with_checkpointing(pool, family):
+    """The Mamba2 and Mamba families on 4 ranks (8 tokens a rank; head_tail: chunks of 4, so a state
+    crosses three ranks), in train mode with activation checkpointing, every sweep case: exact."""
+    for case in zoo.CASES:
+        ranks = pool.run(("first", 4), zoo_cases.compare, family, case, True, True, timeout=120)[0]
+        for result in ranks:
+            assert result["verdict"] == "exact", (family, case, result)

@@ -20,6 +20,7 @@ A wrong result is far outside them: without `parallelize` every family that mixe
 1e-3 or more (parity_tests/test_models.py checks that the sweep says so).
 """
 
+from contextlib import ExitStack, contextmanager, nullcontext
 import copy
 from pathlib import Path
 import traceback
@@ -49,6 +50,21 @@ class Float64Steps(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def float64_recompute(kwargs):
+    """Activation checkpointing kwargs whose recomputation runs under Float64Steps as the forward
+    does (a function mode is not active in backward)."""
+    inner = kwargs.get("context_fn", lambda: (nullcontext(), nullcontext()))
+    return kwargs | {"context_fn": lambda: tuple(_entered(Float64Steps(), c) for c in inner())}
+
+
+@contextmanager
+def _entered(*managers):
+    with ExitStack() as stack:
+        for manager in managers:
+            stack.enter_context(manager)
+        yield
+
+
 def _run(model, batch):
     with Float64Steps():
         out = model(**batch)
@@ -61,24 +77,26 @@ def _error(e):
     return f"{type(e).__name__}: {e}".splitlines()[0][:300]
 
 
-def compare(group, model_type, case, cp=True):
+def compare(group, model_type, case, cp=True, checkpointing=False):
     """One family on one of the sweep's batches (zoo.CASES) on this rank: a verdict dict.
 
     {"verdict": "exact" | "wrong" | "refused" | "crash" | "skipped", "why": ..., "ratios": the
     worst difference / bound of logits, loss and gradients}. "skipped": the zoo could not build the
     model or one process cannot run the batch (the reason). cp False: the same without
     `parallelize` (each rank runs the model on its own shard alone), which must come out wrong.
+    checkpointing: both models in train mode with activation checkpointing (the CP one with
+    hf.checkpoint_kwargs(), one process with transformers' default).
     """
     default = torch.get_default_dtype()
     if model_type in zoo.DEFAULT_FLOAT64:
         torch.set_default_dtype(torch.float64)
     try:
-        return _compare(group, model_type, case, cp)
+        return _compare(group, model_type, case, cp, checkpointing)
     finally:
         torch.set_default_dtype(default)
 
 
-def _compare(group, model_type, case, cp):
+def _compare(group, model_type, case, cp, checkpointing):
     layout, make_batch = zoo.CASES[case]
     if model_type in zoo.SKIPPED:
         return {"verdict": "skipped", "why": zoo.SKIPPED[model_type]}
@@ -93,6 +111,10 @@ def _compare(group, model_type, case, cp):
             hf.parallelize(model, group, layout=layout, verbose=False)
     except ValueError as e:
         return {"verdict": "refused", "why": str(e).splitlines()[0]}
+    if checkpointing:
+        for each, kwargs in ((one_process, {"use_reentrant": False}), (model, hf.checkpoint_kwargs())):
+            each.train()
+            each.activation_checkpointing_enable(activation_checkpointing_kwargs=float64_recompute(kwargs))
     try:
         reference = _run(one_process, batch)
     except Exception as e:  # one process cannot run the batch
