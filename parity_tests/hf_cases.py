@@ -431,3 +431,21 @@ def mask_function_calls(group, name, state, batch):
     finally:
         AttentionMaskInterface.register(hf_attention.IMPLEMENTATION, original)
     return counter.calls
+
+
+def saved_and_reloaded(group, name, directory):
+    """The model made CP, trained one SGD step on this rank's shard (gradients summed over the
+    ranks), saved by rank 0 with save_pretrained, and reloaded as the plain class: the reloaded
+    state dict's keys, and whether each tensor equals the CP model's."""
+    model = hf.parallelize(hf_models.build(name), group, verbose=False)
+    model(**hf.shard_batch(hf_models.make_batch(), group)).loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            dist.all_reduce(p.grad, group=group)
+            p -= 0.1 * p.grad
+    if dist.get_rank(group) == 0:
+        model.save_pretrained(directory)
+    dist.barrier(group=group)
+    reloaded = type(model).from_pretrained(directory, dtype=torch.float64).state_dict()
+    trained = model.state_dict()
+    return sorted(reloaded), sorted(trained), all(torch.equal(reloaded[k], trained[k]) for k in trained)

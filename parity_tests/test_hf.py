@@ -250,3 +250,14 @@ def test_compiled_decoder_layers_match_eager(pool, name, n, backend):
         bounds.check((logits - eager_logits).abs().max(), logits_bound, "logits")
         for key, g in eager_grads.items():
             bounds.check((grads[key] - g).abs().max(), grads_bound * g.abs().max(), f"grad of {key}")
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "bamba", "jamba"])
+def test_a_checkpoint_saved_under_cp_loads_as_the_plain_model(pool, name, tmp_path):
+    """A recurrent layer made CP keeps its parameters (its forward is its class's own, over CP
+    functions): save_pretrained after a step writes the plain model's keys, and from_pretrained
+    of the plain class gives back every tensor."""
+    for reloaded, trained, equal in pool.run(("first", 2), hf_cases.saved_and_reloaded, name, str(tmp_path))[
+        0
+    ]:
+        assert reloaded == trained and equal
