@@ -21,6 +21,7 @@ from examples.recipes import sft, trainer, trainer_data
 from parity_tests import hf_models
 from parity_tests.hf_reference import float64_steps
 from torch_impl import hf
+from torch_impl.hf.inputs import IGNORE_INDEX
 
 # name: (trainer, model, layout, extra arguments)
 CASES = {
@@ -31,7 +32,38 @@ CASES = {
     "sft_gemma3_packed_completion": ("sft", "gemma3", "contiguous", {}),
     "sft_mistral_packed": ("sft", "mistral", "contiguous", {"text": True}),
     "sft_gpt_oss_packed_head_tail": ("sft", "gpt_oss", "head_tail", {}),
+    # TRL's defaults (bf16 autocast, activation checkpointing) on a float64 model (autocast leaves
+    # float64 as it is) and a float32 one; evaluated on long prompts with short completions, so that
+    # a CP rank's shard of a row holds no label
+    "sft_gemma3_trl_defaults": (
+        "sft",
+        "gemma3",
+        "contiguous",
+        {"args": {"bf16": None, "per_device_eval_batch_size": 1}, "eval": "long"},
+    ),
+    "sft_gemma3_trl_defaults_float32": (
+        "sft",
+        "gemma3",
+        "contiguous",
+        {"args": {"bf16": None}, "dtype": "float32"},
+    ),
+    # LoRA (r 4 on the attention's projections) through PEFT: only the adapters train
+    "trainer_gemma3_lora": ("trainer", "gemma3", "contiguous", {"lora": True}),
+    # rows streamed from an IterableDataset, each process reading its own (dispatch_batches=False);
+    # evaluated on rows labelled on their last 3 tokens only: rank 0's half holds no label
+    "trainer_gemma3_iterable": ("trainer", "gemma3", "contiguous", {"iterable": True, "eval": "long"}),
 }
+STREAMED = {"accelerator_config": {"dispatch_batches": False}}
+
+
+class Streamed(torch.utils.data.IterableDataset):
+    """`rows`, streamed."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __iter__(self):
+        return iter(self.rows)
 
 
 class Rows:
@@ -57,17 +89,43 @@ def classes(kind):
     return type("Plain", (Rows, base), {}), type("CP", (Rows, hf.ContextParallelMixin, base), {})
 
 
+def model_of(name, extra):
+    """The case's model: hf_models' seeded weights (the same on every rank), a PEFT LoRA model of
+    it where the case asks."""
+    model = hf_models.build(name, getattr(torch, extra.get("dtype", "float64")))
+    model.config.pad_token_id = 0
+    if extra.get("lora"):
+        import peft
+
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, lora_dropout=0.0)
+        model = peft.get_peft_model(model, config)  # A drawn from the seeded generator, B zero
+    return model
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
 def build(kind, name, layout, extra, cp_size, output_dir, **overrides):
     """The case's trainer (not trained yet)."""
     plain, cp = classes(kind)
-    model = hf_models.build(name)  # float64, the same weights on every rank
-    model.config.pad_token_id = 0
+    model = model_of(name, extra)
+    received = set()  # every keyword the model's forward is given
+    model.register_forward_pre_hook(lambda module, args, kw: received.update(kw), with_kwargs=True)
     kwargs = {} if cp_size == 1 else {"cp_size": cp_size, "cp_layout": layout}
+    overrides = extra.get("args", {}) | overrides
     if kind == "trainer":
+        rows = trainer_data.token_rows(48, 13, 31, seed=0)
+        if extra.get("iterable"):
+            rows, overrides = Streamed(rows), STREAMED | overrides
         args = trainer.training_args(output_dir, **overrides)
+        evaluated = trainer_data.token_rows(8, 13, 31, seed=1)
+        if extra.get("eval") == "long":
+            evaluated = trainer_data.token_rows(8, 36, 40, seed=1)
+            for row in evaluated:
+                row["labels"] = [IGNORE_INDEX] * (len(row["labels"]) - 3) + row["labels"][-3:]
         data = dict(
-            train_dataset=trainer_data.token_rows(48, 13, 31, seed=0),
-            eval_dataset=trainer_data.token_rows(8, 13, 31, seed=1),
+            train_dataset=rows,
+            eval_dataset=evaluated,
             data_collator=trainer_data.pad_rows,
         )
     else:
@@ -81,15 +139,20 @@ def build(kind, name, layout, extra, cp_size, output_dir, **overrides):
             )
         else:  # prompt-completion pairs, packed, the loss on completions only
             data = dict(train_dataset=sft.pairs(96, seed=0), eval_dataset=sft.pairs(16, seed=1))
+        if extra.get("eval") == "long":  # prompts of 36 to 40 words, completions of 2 or 3, a row a batch
+            prompts, completions = trainer_data.sentences(8, 36, 40, 2), trainer_data.sentences(8, 2, 3, 3)
+            data["eval_dataset"] = Dataset.from_dict(
+                {"prompt": prompts, "completion": [" " + c for c in completions]}
+            )
         data["processing_class"] = trainer_data.tokenizer()
     built = (plain if cp_size == 1 else cp)(model=model, args=args, **data, **kwargs)
-    built.rows = []
+    built.rows, built.received = [], received
     return built
 
 
 def initial_params(case):
     """The case's model's parameters before training (hf_models' seeded weights)."""
-    return {k: p.detach() for k, p in hf_models.build(CASES[case][1]).named_parameters()}
+    return {k: p.detach() for k, p in model_of(CASES[case][1], CASES[case][3]).named_parameters()}
 
 
 def run(name, cp_size, output_dir):
@@ -98,7 +161,23 @@ def run(name, cp_size, output_dir):
     t.train()
     result = {"log": [h for h in t.state.log_history if "loss" in h], "eval_loss": t.evaluate()["eval_loss"]}
     result["params"] = {k: p.detach().clone() for k, p in t.model.named_parameters()}
+    if extra.get("lora"):  # the saved adapter, loaded into the plain model
+        import peft
+
+        t.save_model(os.path.join(output_dir, "adapter"))
+        if dist.is_initialized():
+            dist.barrier()
+        plain = peft.PeftModel.from_pretrained(hf_models.build(model), os.path.join(output_dir, "adapter"))
+        trained, loaded = t.model.state_dict(), plain.state_dict()
+        result["adapter"] = {k: torch.equal(loaded[k], v) for k, v in trained.items() if "lora_" in k}
     result["rows"] = gathered(t.rows)
+    result["received"] = gathered(sorted(t.received))
+    checkpointed = [
+        m._gradient_checkpointing_func
+        for m in t.model.modules()
+        if getattr(m, "gradient_checkpointing", 0) is True
+    ]
+    result["checkpointing"] = str(checkpointed[0].keywords) if checkpointed else None
     return result
 
 
@@ -148,6 +227,14 @@ def refusals(output_dir):
         said["compute_metrics"] = None
     except ValueError as e:
         said["compute_metrics"] = str(e)
+    try:  # an IterableDataset under accelerate's default dispatching (rank 0 reads for every process)
+        t = build(
+            "trainer", "llama", "contiguous", {"iterable": True}, world, output_dir, accelerator_config={}
+        )
+        t.get_train_dataloader()
+        said["dispatch_batches"] = None
+    except ValueError as e:
+        said["dispatch_batches"] = str(e)
     try:  # GPT-OSS under SFTTrainer's default: the router's auxiliary loss
         build("sft", "gpt_oss", "contiguous", {}, world, output_dir, router_aux_loss_coef=0.001)
         said["router_aux_loss"] = None

@@ -34,11 +34,14 @@ def causal_attention(
     softcap: scores become softcap * tanh(score / softcap) before the mask (Gemma 2); sinks: [H],
     one learned logit per query head that joins every query's softmax denominator and adds no value
     (GPT-OSS), differentiable. Returns [B, H, L, D] in query's dtype (under autocast, as sdpa:
-    q, k and v in the autocast dtype, and so the output).
+    q, k and v that autocast casts, floating and not float64, in the autocast dtype, and so the
+    output; float64 ones as they are).
     """
-    if torch.is_autocast_enabled(query.device.type):  # as sdpa under autocast: all three in its dtype
+    if torch.is_autocast_enabled(query.device.type):  # as sdpa under autocast (autocast's eligibility)
         dtype = torch.get_autocast_dtype(query.device.type)
-        query, key, value = (t.to(dtype) for t in (query, key, value))
+        query, key, value = (
+            t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in (query, key, value)
+        )
     check_arguments(query, key, value, q_start, k_start, window, documents, padding, softcap, sinks)
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
     width, Dv = max(query.shape[-1], value.shape[-1]), value.shape[-1]

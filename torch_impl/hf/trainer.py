@@ -26,11 +26,28 @@ from torch.distributed.device_mesh import init_device_mesh
 import torch.nn.functional as F
 
 from torch_impl.hf.inputs import BATCH_KEYS, IGNORE_INDEX, shard_batch
-from torch_impl.hf.parallelize import parallelize
+from torch_impl.hf.parallelize import checkpoint_kwargs, parallelize
 from torch_impl.layout import check as check_layout
 
 # keys TRL's padding-free collator adds for flash-attention kernels: position_ids carry the same
 DROPPED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def _keep_collectives_in_checkpoints(model):
+    """Make `model`'s activation checkpointing, when the trainer turns it on (TrainingArguments'
+    `activation_checkpointing`, on by default in TRL's SFTConfig), keep what hf.checkpoint_kwargs()
+    keeps (the transport's outputs, the attention op's), unless the caller gave its own
+    `context_fn` or reentrant checkpointing. The model instance's method is wrapped, as TRL's
+    selective checkpointing does: the callable stays out of the (serialised) arguments."""
+    enable = model.activation_checkpointing_enable
+
+    def activation_checkpointing_enable(activation_checkpointing_kwargs=None, **kwargs):
+        given = dict(activation_checkpointing_kwargs or {})
+        if "context_fn" not in given and not given.get("use_reentrant", False):
+            given = checkpoint_kwargs() | given
+        return enable(activation_checkpointing_kwargs=given, **kwargs)
+
+    model.activation_checkpointing_enable = activation_checkpointing_enable
 
 
 class ContextParallelMixin:
@@ -41,12 +58,16 @@ class ContextParallelMixin:
     size) and `cp_layout` ("contiguous" or "head_tail", as `hf.parallelize`). A run over dp x cp
     processes then equals the same trainer over dp processes without CP: logged `loss` and
     `grad_norm`, `evaluate()`'s `eval_loss`, the parameters after every step (gradient
-    accumulation, padded rows of any length, packed rows). Refused with ValueError (every rank,
+    accumulation, padded rows of any length, packed rows, TRL's defaults: bf16 autocast and
+    activation checkpointing, which then keeps the transport's and the attention's outputs as
+    `hf.checkpoint_kwargs()` does; rows streamed from an IterableDataset with
+    `accelerator_config={"dispatch_batches": False}`). Refused with ValueError (every rank,
     before the first step): accelerate's own CP/SP/TP, FSDP and DeepSpeed, label smoothing, a
     `compute_loss_func`, `compute_metrics` and `preprocess_logits_for_metrics` (they would see
     each rank's slice of the logits), a MoE router's auxiliary loss (TRL switches it on for MoE
     models: `router_aux_loss_coef=0.0` turns it off), a model whose forward takes no
-    `num_items_in_batch`, and `predict()`.
+    `num_items_in_batch`, an IterableDataset dispatched from rank 0 (accelerate's default), and
+    `predict()`.
     """
 
     def __init__(self, *args, cp_size, cp_layout="contiguous", **kwargs):
@@ -69,6 +90,7 @@ class ContextParallelMixin:
             self.cp_group = mesh["cp"].get_group()
         model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT
         parallelize(model, self.cp_group, layout=cp_layout)
+        _keep_collectives_in_checkpoints(self.model)
 
     def _refuse_inexact(self):
         """ValueError for what would not equal the dp-only run (the same on every rank)."""
@@ -127,10 +149,17 @@ class ContextParallelMixin:
             return loader
         sharded = loader.batch_sampler if hasattr(loader.batch_sampler, "process_index") else loader.dataset
         if not hasattr(sharded, "process_index"):
+            dispatched = type(loader).__name__ == "DataLoaderDispatcher"
             raise ValueError(
                 "ContextParallelMixin: the dataloader is not sharded by accelerate's BatchSamplerShard "
-                f"or IterableDatasetShard (got {type(loader.batch_sampler).__name__}); the CP ranks of a "
-                "replica could not be given the same rows"
+                f"or IterableDatasetShard (got {type(loader).__name__}); the CP ranks of a replica could "
+                "not be given the same rows"
+                + (
+                    ": an IterableDataset is read by rank 0 and dispatched to every process by default; "
+                    "pass accelerator_config={'dispatch_batches': False}"
+                    if dispatched
+                    else ""
+                )
             )
         sharded.num_processes, sharded.process_index = self.dp_size, self.dp_index
         if self.dp_size == 1:  # as one process, where accelerate does not shard: no batch completed
