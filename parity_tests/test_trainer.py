@@ -133,7 +133,7 @@ def test_a_replicas_cp_ranks_get_the_same_rows_and_replicas_disjoint_ones(runs, 
 
 
 def test_resuming_from_a_checkpoint_equals_the_uninterrupted_run(runs):
-    resumed = runs["cp2"]["resume"]
+    resumed = runs["cp2"]["resume trainer_gemma3"]
     assert resumed["reloaded"] == ("Gemma3ForCausalLM", "sdpa")  # the saved model is the plain one
     assert [h["step"] for h in resumed["log"]] == [1, 2, 3]  # 1, 2 from the checkpoint's state
     assert resumed["log"][-1] == resumed["uninterrupted_log"][-1]

@@ -47,6 +47,8 @@ CASES = {
         "contiguous",
         {"args": {"bf16": None}, "dtype": "float32"},
     ),
+    # FSDP2 over every process (dp x cp flattened), as accelerate shards it
+    "trainer_gemma3_fsdp2": ("trainer", "gemma3", "contiguous", {"fsdp": True}),
     # LoRA (r 4 on the attention's projections) through PEFT: only the adapters train
     "trainer_gemma3_lora": ("trainer", "gemma3", "contiguous", {"lora": True}),
     # rows streamed from an IterableDataset, each process reading its own (dispatch_batches=False);
@@ -83,10 +85,32 @@ class Rows:
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
-def classes(kind):
-    """(the plain trainer class, its CP version), both recording their rows."""
+class FSDP2OnCPU:
+    """Tests only: accelerate selects FSDP for accelerator devices alone (its `AcceleratorState`),
+    so on CPU `TrainingArguments(fsdp=...)` silently runs DDP. After the trainer made its
+    accelerator, this sets accelerate's state to FSDP2 with the arguments' plugin, as a GPU run
+    has it; FSDP2 itself runs on gloo."""
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+        state = self.accelerator.state
+        state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+        state.distributed_type = DistributedType.FSDP
+        self.is_fsdp_enabled = True
+
+
+FSDP2 = {"fsdp": True, "fsdp_config": {"fsdp_version": 2}}
+
+
+def classes(kind, fsdp=False):
+    """(the plain trainer class, its CP version), both recording their rows (under FSDP2)."""
     base = tf.Trainer if kind == "trainer" else SFTTrainer
-    return type("Plain", (Rows, base), {}), type("CP", (Rows, hf.ContextParallelMixin, base), {})
+    extra = (FSDP2OnCPU,) if fsdp else ()
+    return type("Plain", (Rows, *extra, base), {}), type(
+        "CP", (Rows, hf.ContextParallelMixin, *extra, base), {}
+    )
 
 
 def model_of(name, extra):
@@ -107,12 +131,12 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 def build(kind, name, layout, extra, cp_size, output_dir, **overrides):
     """The case's trainer (not trained yet)."""
-    plain, cp = classes(kind)
+    plain, cp = classes(kind, extra.get("fsdp", False))
     model = model_of(name, extra)
     received = set()  # every keyword the model's forward is given
     model.register_forward_pre_hook(lambda module, args, kw: received.update(kw), with_kwargs=True)
     kwargs = {} if cp_size == 1 else {"cp_size": cp_size, "cp_layout": layout}
-    overrides = extra.get("args", {}) | overrides
+    overrides = extra.get("args", {}) | (FSDP2 if extra.get("fsdp") else {}) | overrides
     if kind == "trainer":
         rows = trainer_data.token_rows(48, 13, 31, seed=0)
         if extra.get("iterable"):
@@ -160,7 +184,7 @@ def run(name, cp_size, output_dir):
     t = build(kind, model, layout, extra, cp_size, output_dir)
     t.train()
     result = {"log": [h for h in t.state.log_history if "loss" in h], "eval_loss": t.evaluate()["eval_loss"]}
-    result["params"] = {k: p.detach().clone() for k, p in t.model.named_parameters()}
+    result["params"] = params(t.model)
     if extra.get("lora"):  # the saved adapter, loaded into the plain model
         import peft
 
@@ -181,6 +205,11 @@ def run(name, cp_size, output_dir):
     return result
 
 
+def params(model):
+    """Every parameter, whole (FSDP2's sharded ones gathered: every rank calls this)."""
+    return {k: getattr(p, "full_tensor", p.detach)().detach().clone() for k, p in model.named_parameters()}
+
+
 def gathered(obj):
     """[every rank's obj] (one process: [obj])."""
     if not dist.is_initialized():
@@ -190,18 +219,18 @@ def gathered(obj):
     return objs
 
 
-def resume(cp_size, output_dir):
-    """Trainer on Gemma 3: 3 steps, a checkpoint at step 2; then resumed from it to step 3. The
-    checkpoint reloads as the plain model."""
-    kind, model, layout, extra = CASES["trainer_gemma3"]
+def resume(case, cp_size, output_dir):
+    """The case's trainer (Gemma 3): 3 steps, a checkpoint at step 2; then resumed from it to
+    step 3. The checkpoint reloads as the plain model."""
+    kind, model, layout, extra = CASES[case]
     first = build(kind, model, layout, extra, cp_size, output_dir, save_strategy="steps", save_steps=2)
     first.train()
     again = build(kind, model, layout, extra, cp_size, output_dir)
     again.train(resume_from_checkpoint=f"{output_dir}/checkpoint-2")
     reloaded = tf.AutoModelForCausalLM.from_pretrained(f"{output_dir}/checkpoint-2", dtype=torch.float64)
     return {
-        "uninterrupted": {k: p.detach().clone() for k, p in first.model.named_parameters()},
-        "resumed": {k: p.detach().clone() for k, p in again.model.named_parameters()},
+        "uninterrupted": params(first.model),
+        "resumed": params(again.model),
         "reloaded": (type(reloaded).__name__, reloaded.config._attn_implementation),
         "log": [h for h in again.state.log_history if "loss" in h],
         "uninterrupted_log": [h for h in first.state.log_history if "loss" in h],
@@ -262,7 +291,9 @@ def main(argv=None):
             out = os.path.join(workdir, recipe.__name__.rsplit(".", 1)[1])
             results[recipe.__name__] = recipe.main(["--cp-size", str(args.cp_size), "--output-dir", out])
     if args.resume:
-        results["resume"] = resume(args.cp_size, os.path.join(workdir, "resume"))
+        results["resume trainer_gemma3"] = resume(
+            "trainer_gemma3", args.cp_size, os.path.join(workdir, "resume")
+        )
     if args.refusals:
         results["refusals"] = gathered(refusals(os.path.join(workdir, "refused")))
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -40,7 +40,8 @@ def causal_attention(
     if torch.is_autocast_enabled(query.device.type):  # as sdpa under autocast (autocast's eligibility)
         dtype = torch.get_autocast_dtype(query.device.type)
         query, key, value = (
-            t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in (query, key, value)
+            t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
+            for t in (query, key, value)
         )
     check_arguments(query, key, value, q_start, k_start, window, documents, padding, softcap, sinks)
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale

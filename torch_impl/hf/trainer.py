@@ -102,10 +102,15 @@ class ContextParallelMixin:
                     "replaces the models' masks by is_causal (sliding windows and documents lost): "
                     "use one or the other"
                 )
-        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+        if self.is_fsdp_enabled and not self.accelerator.is_fsdp2:
             raise ValueError(
-                "ContextParallelMixin: FSDP and DeepSpeed through the trainer are not supported; it runs "
-                "the trainer's DDP over all dp x cp processes"
+                "ContextParallelMixin: FSDP1 is not supported (accelerate's FSDP2 is the one tested with "
+                "CP): pass fsdp_config={'fsdp_version': 2}"
+            )
+        if self.is_deepspeed_enabled:
+            raise ValueError(
+                "ContextParallelMixin: DeepSpeed through the trainer is not supported; use DDP or FSDP2 "
+                "over all dp x cp processes"
             )
         refused = {
             "label_smoothing_factor > 0": self.args.label_smoothing_factor > 0,
