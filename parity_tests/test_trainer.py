@@ -18,6 +18,7 @@ moves it by tens of percent, a token misrouted in one row by ~1e-2).
 
 import pytest
 import torch
+import transformers
 
 from parity_tests import bounds, hf_models, jobs, trainer_jobs
 from torch_impl.hf.trainer import DROPPED_KEYS
@@ -132,9 +133,22 @@ def test_a_replicas_cp_ranks_get_the_same_rows_and_replicas_disjoint_ones(runs, 
             assert sum(len(s) for s in seen) == len(set().union(*seen)), (case, step)
 
 
-def test_resuming_from_a_checkpoint_equals_the_uninterrupted_run(runs):
-    resumed = runs["cp2"]["resume trainer_gemma3"]
-    assert resumed["reloaded"] == ("Gemma3ForCausalLM", "sdpa")  # the saved model is the plain one
+@pytest.mark.parametrize("case", ["trainer_gemma3", "trainer_gemma3_fsdp2"])
+def test_resuming_from_a_checkpoint_equals_the_uninterrupted_run(runs, case):
+    """The last checkpoint loads as the plain model with the uninterrupted run's parameters (FSDP2's
+    sharded one once merged, as `accelerate merge-weights` does, in this process)."""
+    resumed = runs["cp2"][f"resume {case}"]
+    saved = resumed["checkpoint"]
+    if case.endswith("fsdp2"):
+        from accelerate.utils import merge_fsdp_weights
+
+        merge_fsdp_weights(f"{saved}/pytorch_model_fsdp_0", f"{saved}/merged")
+        hf_models.build("gemma3").config.save_pretrained(f"{saved}/merged")  # shards carry no config
+        saved = f"{saved}/merged"
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float64)
+    assert (type(reloaded).__name__, reloaded.config._attn_implementation) == ("Gemma3ForCausalLM", "sdpa")
+    for key, p in reloaded.named_parameters():
+        assert torch.equal(p, resumed["uninterrupted"][key]), key
     assert [h["step"] for h in resumed["log"]] == [1, 2, 3]  # 1, 2 from the checkpoint's state
     assert resumed["log"][-1] == resumed["uninterrupted_log"][-1]
     for key, p in resumed["uninterrupted"].items():
