@@ -5,13 +5,15 @@ without (1 process), side by side, per rank: the median step time and the peak r
 
 Cases: `trainer`, the Trainer recipe's setup (examples/recipes/trainer.py: padded rows, SGD,
 gradient accumulation 2) on rows of seq-len/2 to seq-len tokens; `sft`, the SFTTrainer recipe's
-(packed prompt-completion pairs, the loss on completions) packed to seq-len. The model: Gemma 3
-at hidden 256 (4 heads of 64, one KV head), 6 layers in its 5:1 sliding (window 512) / global
-layout, float32. Each run is one torchrun launch, the two variants alternating per case (drift on
-this noisy machine hits both); every rank uses one thread (OMP_NUM_THREADS=1), so the 2-rank CP run
-uses the machine's two cores and the 1-process run one. Step time: the median over steps 2 .. N of
-each rank, the slowest rank reported; peak: the resident set's rise over its value after step 1
-(glibc returning freed blocks at once: cp_support.launch.RANK_ENV), the largest rank.
+(packed prompt-completion pairs, the loss on completions) packed to seq-len; `fsdp2_lora`, the
+Trainer case with PEFT LoRA (r 16 on the attention's projections) under FSDP2 (accelerate's, over
+every process; forced on CPU as the tests force it: parity_tests.trainer_jobs.FSDP2OnCPU). The
+model: Gemma 3 at hidden 256 (4 heads of 64, one KV head), 6 layers in its 5:1 sliding (window 512)
+/ global layout, float32. Each run is one torchrun launch, the two variants alternating per case
+(drift on this noisy machine hits both); every rank uses one thread (OMP_NUM_THREADS=1), so the
+2-rank CP run uses the machine's two cores and the 1-process run one. Step time: the median over
+steps 2 .. N of each rank, the slowest rank reported; peak: the resident set's rise over its value
+after step 1 (glibc returning freed blocks at once: cp_support.launch.RANK_ENV), the largest rank.
 """
 
 import argparse
@@ -25,7 +27,7 @@ import time
 
 import torch
 
-CASES = ("trainer", "sft")
+CASES = ("trainer", "sft", "fsdp2_lora")
 
 
 def model(seq_len):
@@ -72,9 +74,19 @@ def child(args):
     clock = Clock()
     overrides = {"max_steps": args.steps}
     with tempfile.TemporaryDirectory() as out:
-        if args.case == "trainer":
-            built = (tf.Trainer if args.cp_size == 1 else trainer.CPTrainer)(
-                model=model(args.seq_len),
+        if args.case in ("trainer", "fsdp2_lora"):
+            classes = (tf.Trainer, trainer.CPTrainer)
+            net = model(args.seq_len)
+            if args.case == "fsdp2_lora":
+                import peft
+
+                from parity_tests.trainer_jobs import FSDP2, LORA_TARGETS, FSDP2OnCPU
+
+                classes = tuple(type("FSDP2" + c.__name__, (FSDP2OnCPU, c), {}) for c in classes)
+                lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS, lora_dropout=0.0)
+                net, overrides = peft.get_peft_model(net, lora), overrides | FSDP2
+            built = classes[args.cp_size > 1](
+                model=net,
                 args=trainer.training_args(out, **overrides),
                 train_dataset=trainer_data.token_rows(
                     8 * args.steps, args.seq_len // 2, args.seq_len, seed=0

@@ -7,7 +7,9 @@ The world (torchrun's processes) is dp x cp: ranks dp_index * cp .. dp_index * c
 data-parallel replica's CP ranks. Through the trainers' public methods only:
 
 1. `__init__` refuses what cannot be exact (on every rank, before any step), builds the (dp, cp)
-   DeviceMesh and makes the model CP over mesh["cp"] (`hf.parallelize`; a PEFT model's base model).
+   DeviceMesh and makes the model CP over mesh["cp"] (`hf.parallelize`; a PEFT model's base model)
+   before the trainer wraps it (DDP, or accelerate's FSDP2 sharding over every process, dp x cp
+   flattened, as torchtitan shards over dp and cp).
 2. `get_train_dataloader` / `get_eval_dataloader`: the trainer's own loader, sharded by accelerate
    over dp replicas instead of over every process: a replica's CP ranks get the same rows.
 3. `get_cp_size`: every CP rank counts its replica's whole batch; the trainer sums its count over
@@ -15,9 +17,10 @@ data-parallel replica's CP ranks. Through the trainers' public methods only:
 4. `compute_loss`: the global batch padded to what the layout needs (labels -100, masked, after
    every real token: no real token sees it) and sharded (`hf.shard_batch`) before the trainer's own
    loss. Each rank's loss is then its share of the token mean; the trainer multiplies it by the
-   number of processes and its DDP averages over all of them, so the gradients, `loss` and
-   `grad_norm` are the dp-only run's. Where the trainer gives no count (TRL's evaluation: each
-   process's loss its own mean), the replica's token mean is formed over its CP ranks.
+   number of processes and its DDP (FSDP2's reduce-scatter) averages over all of them, so the
+   gradients, `loss` and `grad_norm` are the dp-only run's. Where the trainer gives no count (TRL's
+   evaluation: each process's loss its own mean), the replica's token mean is formed over its CP
+   ranks.
 """
 
 import torch
@@ -62,7 +65,7 @@ class ContextParallelMixin:
     activation checkpointing, which then keeps the transport's and the attention's outputs as
     `hf.checkpoint_kwargs()` does; rows streamed from an IterableDataset with
     `accelerator_config={"dispatch_batches": False}`). Refused with ValueError (every rank,
-    before the first step): accelerate's own CP/SP/TP, FSDP and DeepSpeed, label smoothing, a
+    before the first step): accelerate's own CP/SP/TP, FSDP1 and DeepSpeed, label smoothing, a
     `compute_loss_func`, `compute_metrics` and `preprocess_logits_for_metrics` (they would see
     each rank's slice of the logits), a MoE router's auxiliary loss (TRL switches it on for MoE
     models: `router_aux_loss_coef=0.0` turns it off), a model whose forward takes no
@@ -109,8 +112,9 @@ class ContextParallelMixin:
             )
         if self.is_deepspeed_enabled:
             raise ValueError(
-                "ContextParallelMixin: DeepSpeed through the trainer is not supported; use DDP or FSDP2 "
-                "over all dp x cp processes"
+                "ContextParallelMixin: DeepSpeed through the trainer is not supported (its ZeRO engine is "
+                "not tested with CP: the test environment cannot install DeepSpeed without a CUDA build of "
+                "torch); shard with FSDP2 instead, fsdp=True, fsdp_config={'fsdp_version': 2}"
             )
         refused = {
             "label_smoothing_factor > 0": self.args.label_smoothing_factor > 0,
