@@ -4,16 +4,17 @@ dropout 0, SGD at learning rate 0.5, gradient accumulation 2, 3 steps, then eval
 
 Four torchrun launches, two at a time: cp 2 (2 processes) against one process, every case (Trainer
 on padded rows of 13 to 31 tokens: Gemma 3, Mistral under head_tail, LFM2, Qwen3.5 (Gated DeltaNet)
-under head_tail; SFTTrainer with packing:
-Gemma 3 and GPT-OSS (head_tail) on prompt-completion pairs, the loss on completions only, Mistral on
-text), both recipes, resume from a checkpoint and the refusals; and dp 2 x cp 2 (4 processes)
-against dp 2, DP_CASES and the refusals. The models are float64, but transformers rounds their
-norms, and the logged loss, through float32: the logged loss and grad_norm within a few float32
-roundings: the logged loss and eval_loss are float32 sums over a step's tokens (at most STEP_TOKENS),
-taken in another order on each side, so within 2 STEP_TOKENS u32 of the loss; grad_norm and the
-parameters' change from their start within 1e-5, relative (its largest entry)
-(after 3 steps the float32 norms' roundings grow to about 1e-6 of it here; a constant gradient scale
-moves it by tens of percent, a token misrouted in one row by ~1e-2).
+under head_tail, Gemma 3 under FSDP2, with LoRA, and streamed from an IterableDataset; SFTTrainer
+with packing: Gemma 3 and GPT-OSS (head_tail) on prompt-completion pairs, the loss on completions
+only, Mistral on text, Gemma 3 with TRL's defaults, bf16 autocast and activation checkpointing, in
+float64 and float32), both recipes, resume from a checkpoint (DDP and FSDP2) and the refusals; and
+dp 2 x cp 2 (4 processes) against dp 2, DP_CASES and the refusals. The models are float64, but
+transformers rounds their norms, and the logged loss, through float32: the logged loss and eval_loss
+are float32 sums over a step's tokens (at most STEP_TOKENS), taken in another order on each side,
+so within 2 STEP_TOKENS u32 of the loss; grad_norm and the parameters' change from their start
+within 1e-5, relative (its largest entry) (after 3 steps the float32 norms' roundings grow to about
+1e-6 of it here; a constant gradient scale moves it by tens of percent, a token misrouted in one row
+by ~1e-2). The float32 model under bf16 autocast: within_bfloat16's bound.
 """
 
 import pytest

@@ -49,8 +49,9 @@ CASES = {
     ),
     # FSDP2 over every process (dp x cp flattened), as accelerate shards it
     "trainer_gemma3_fsdp2": ("trainer", "gemma3", "contiguous", {"fsdp": True}),
-    # LoRA (r 4 on the attention's projections) through PEFT: only the adapters train
+    # LoRA (r 4 on the attention's projections) through PEFT: only the adapters train; and under FSDP2
     "trainer_gemma3_lora": ("trainer", "gemma3", "contiguous", {"lora": True}),
+    "trainer_gemma3_fsdp2_lora": ("trainer", "gemma3", "contiguous", {"lora": True, "fsdp": True}),
     # rows streamed from an IterableDataset, each process reading its own (dispatch_batches=False);
     # evaluated on rows labelled on their last 3 tokens only: rank 0's half holds no label
     "trainer_gemma3_iterable": ("trainer", "gemma3", "contiguous", {"iterable": True, "eval": "long"}),
@@ -187,7 +188,7 @@ def run(name, cp_size, output_dir):
     t.train()
     result = {"log": [h for h in t.state.log_history if "loss" in h], "eval_loss": t.evaluate()["eval_loss"]}
     result["params"] = params(t.model)
-    if extra.get("lora"):  # the saved adapter, loaded into the plain model
+    if extra.get("lora") and not extra.get("fsdp"):  # the saved adapter, loaded into the plain model
         import peft
 
         t.save_model(os.path.join(output_dir, "adapter"))

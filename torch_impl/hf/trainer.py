@@ -42,7 +42,9 @@ def _keep_collectives_in_checkpoints(model):
     keeps (the transport's outputs, the attention op's), unless the caller gave its own
     `context_fn` or reentrant checkpointing. The model instance's method is wrapped, as TRL's
     selective checkpointing does: the callable stays out of the (serialised) arguments."""
-    enable = model.activation_checkpointing_enable
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is None:  # not a transformers model: the trainer turns nothing on through it
+        return
 
     def activation_checkpointing_enable(activation_checkpointing_kwargs=None, **kwargs):
         given = dict(activation_checkpointing_kwargs or {})
