@@ -16,9 +16,9 @@
 Prints one table with the targets (torch_impl.hf at 65536 within 1.3x the rank alone's memory and
 20 s a step; 131072 tokens per rank fitting) and writes JSON. Exit status 1 when a test failed or
 a target was missed. Needs CUDA, transformers 5.23 and pytest; on a node without a package
-registry, carry transformers as a wheel (README, "A GPU node"). `--quick`: tiny shapes, also on the
-CPU, where it checks that nothing fails (the suite runs it, so that this command cannot rot where
-no GPU is), not the targets.
+registry, carry transformers as a wheel (docs/benchmarks.md, "On GPUs with NCCL"). `--quick`: tiny
+shapes, also on the CPU, where it checks that nothing fails (the suite runs it, so that this
+command cannot rot where no GPU is), not the targets.
 """
 
 import argparse

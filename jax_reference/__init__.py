@@ -14,6 +14,9 @@ forward and backward; the parity suite checks it against them.
 | `gather_state`    | `all_gather` of each chunk's affine   | `psum_scatter`: each map's gradient summed   |
 |                   | map, folded in global chunk order     | on its owner                                 |
 
+``halo_rows(n, L, r, halo_size, ...)`` is ``gather_halo``'s definition: the global token at each
+position of device r's output (the tests check the ``ppermute`` version against it).
+
 Worked example, n=3 devices, L=2, halo_size=3 (numbers are global token positions, ``.`` a zero):
 
     device 0 holds [0 1]   gather_halo -> [. . . | 0 1]   (its true halo is empty)
@@ -64,7 +67,15 @@ import math
 from jax import lax
 import jax.numpy as jnp
 
-__all__ = ["LAYOUTS", "chunks", "gather_halo", "gather_metadata", "gather_sequence", "gather_state"]
+__all__ = [
+    "LAYOUTS",
+    "chunks",
+    "gather_halo",
+    "gather_metadata",
+    "gather_sequence",
+    "gather_state",
+    "halo_rows",
+]
 
 LAYOUTS = ("contiguous", "head_tail")
 
@@ -113,16 +124,35 @@ def gather_sequence(x, axis_name, layout="contiguous"):
     return _global_order(gathered, lax.axis_size(axis_name), layout)
 
 
-def gather_halo(x, axis_name, halo_size, left_padding=0, layout="contiguous"):
-    """x: [B, L, ...] -> per local chunk k (C tokens, global chunk c): [left_padding zeros, H_k
-    positions, the chunk], concatenated; chunk c's window is its h_c = min(halo_size, c*C) tokens
-    (or halo_size[c]: one per global chunk, e.g. how far back c's first document began) at the end
-    of the H_k = largest h_c over devices positions, zeros before them.
+def halo_rows(n, L, r, halo_size, left_padding=0, layout="contiguous"):
+    """The definition of gather_halo: the global token at each position of device r's output (-1:
+    a zero). Per local chunk (global chunk c of C tokens): left_padding zeros, zeros up to the
+    longest window among the devices' chunks at that local place, the h_c = min(halo_size, c*C)
+    tokens before chunk c (halo_size[c] per chunk), then chunk c."""
+    held, count = chunks(layout, n, r), len(chunks(layout, n, 0))
+    C, reach = L // count, _per_chunk(halo_size, n * count)
+    rows = []
+    for k, c in enumerate(held):
+        H = max(min(reach[d], d * C) for d in (chunks(layout, n, q)[k] for q in range(n)))
+        h = min(reach[c], c * C)
+        rows += [-1] * (left_padding + H - h) + list(range(c * C - h, (c + 1) * C))
+    return rows
 
-    Shift s = 1, 2, ... brings chunk c the last ``min(C, H_k - (s-1)*C)`` tokens of chunk c - s from
-    the device that holds it (at its local chunk p: one ``ppermute`` per p); the received tails,
-    farthest first, form chunk c's window, of which a device keeps its last h_c positions. Devices
-    whose chunk c - s does not exist receive zeros.
+
+def _per_chunk(halo_size, count):
+    """halo_size as one int per global chunk."""
+    reach = tuple(halo_size) if isinstance(halo_size, (tuple, list)) else (halo_size,) * count
+    if len(reach) != count:
+        raise ValueError(f"`halo_size` must be an int or one per global chunk ({count}), got {halo_size}")
+    return reach
+
+
+def gather_halo(x, axis_name, halo_size, left_padding=0, layout="contiguous"):
+    """x: [B, L, ...] -> [B, len(halo_rows(...)), ...]: at each position the global token that
+    halo_rows names (zeros at -1), moved by ppermute. Chunk c's window is the tails of chunks
+    c - 1, c - 2, ... (shift s: the last min(C, H - (s-1)*C) tokens of chunk c - s, H the longest
+    window at that local place), farthest first; a device keeps the last h_c positions of it.
+    Backward: ppermute's transpose returns each token's gradients to its owner, who adds them up.
     """
     _check_shard(x, layout)
     _check_halo_size(halo_size)
@@ -130,32 +160,33 @@ def gather_halo(x, axis_name, halo_size, left_padding=0, layout="contiguous"):
     n, L = lax.axis_size(axis_name), x.shape[1]
     held = [chunks(layout, n, r) for r in range(n)]
     C, count = L // len(held[0]), len(held[0])
-    reach = halo_size if isinstance(halo_size, (tuple, list)) else (halo_size,) * (n * count)
-    if len(reach) != n * count:
-        raise ValueError(f"`halo_size` must be an int or one per global chunk ({n * count}), got {halo_size}")
-    owner = {c: (r, p) for r in range(n) for p, c in enumerate(held[r])}  # chunk -> (device, local chunk)
+    reach = _per_chunk(halo_size, n * count)
     zeros = jnp.zeros((x.shape[0], left_padding, *x.shape[2:]), x.dtype)  # [B, left_padding, ...]
     segments = []
     for k in range(count):
         h = [min(reach[held[r][k]], held[r][k] * C) for r in range(n)]  # each device's h_c
         H = max(h)
-        pieces = []
-        for s in range(1, math.ceil(H / C) + 1 if H else 1):  # H > 0 implies C > 0
-            length = min(C, H - (s - 1) * C)
-            sources = {dst: owner[held[dst][k] - s] for dst in range(n) if held[dst][k] >= s}
-            piece = 0
-            for p in range(count):
-                pairs = [(src, dst) for dst, (src, q) in sources.items() if q == p]
-                if pairs:
-                    tail = x[:, (p + 1) * C - length : (p + 1) * C]  # [B, length, ...] of chunk p
-                    piece = piece + lax.ppermute(tail, axis_name, pairs)
-            pieces.insert(0, piece)
-        if pieces and min(h) < H:  # keep this device's last h_c positions of the H received
+        shifts = range(math.ceil(H / C) if H else 0, 0, -1)  # farthest first (H > 0 implies C > 0)
+        window = [_tails(x, axis_name, held, k, s, min(C, H - (s - 1) * C)) for s in shifts]
+        if window and min(h) < H:  # keep this device's last h_c positions of the H received
             kept = jnp.arange(H) >= H - jnp.asarray(h)[lax.axis_index(axis_name)]  # [H]
-            window = jnp.concatenate(pieces, axis=1)  # [B, H, ...]
-            pieces = [jnp.where(kept.reshape(1, H, *(1,) * (x.ndim - 2)), window, 0)]
-        segments += [zeros, *pieces, x[:, k * C : (k + 1) * C]]
+            window = [jnp.where(kept.reshape(1, H, *(1,) * (x.ndim - 2)), jnp.concatenate(window, 1), 0)]
+        segments += [zeros, *window, x[:, k * C : (k + 1) * C]]
     return jnp.concatenate(segments, axis=1)
+
+
+def _tails(x, axis_name, held, k, s, length):
+    """[B, length, ...]: on each device the last `length` tokens of chunk c - s, c its k-th chunk
+    (zeros where there is none), by one ppermute per local chunk p of the senders."""
+    C = x.shape[1] // len(held[0])
+    owner = {c: (r, p) for r, cs in enumerate(held) for p, c in enumerate(cs)}  # chunk -> (device, place)
+    wanted = {dst: owner[cs[k] - s] for dst, cs in enumerate(held) if cs[k] >= s}  # dst -> (src, p)
+    piece = 0
+    for p in range(len(held[0])):
+        pairs = [(src, dst) for dst, (src, q) in wanted.items() if q == p]
+        if pairs:
+            piece = piece + lax.ppermute(x[:, (p + 1) * C - length : (p + 1) * C], axis_name, pairs)
+    return piece
 
 
 def gather_metadata(x, axis_name, layout="contiguous"):

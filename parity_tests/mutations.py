@@ -29,28 +29,28 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = [
-    Mutation(  # every tested chunk length once divided into whole strips
+    Mutation(  # a sequence whose last strip is partial loses it
         "reverse_blocks_skips_a_partial_strip",
         "torch_impl/sequence.py",
         "for row in range(0, blocks.shape[1], step):",
         "for row in range(0, blocks.shape[1] - step + 1, step):",
         ("parity_tests/test_parity_layouts.py", "-k", "head_tail_sequence"),
     ),
-    Mutation(  # every value test once ran the indexer in one block
+    Mutation(  # the indexer's second query block reads the first block's rows
         "indexer_blocks_use_block_0_rows",
         "torch_impl/hf/indexed.py",
         "mask = context.visible(queries[None, :, None],",
         "mask = context.visible(query_rows[: len(queries)][None, :, None],",
         ("parity_tests/test_hf_indexed.py", "-k", "several_query_blocks"),
     ),
-    Mutation(  # every DP test once had dp = cp
+    Mutation(  # dp taken from the cp dimension (the same size when dp = cp)
         "dp_size_from_the_cp_dimension",
         "torch_impl/hf/data_parallel.py",
         'return mesh[dp_dim, cp_dim]._flatten(f"{dp_dim}_{cp_dim}"), mesh[dp_dim].size()',
         'return mesh[dp_dim, cp_dim]._flatten(f"{dp_dim}_{cp_dim}"), mesh[cp_dim].size()',
         ("parity_tests/test_hf_inputs.py", "-k", "data_parallel_gradients"),
     ),
-    Mutation(  # apply_ddp(global_num_items=True) was never called
+    Mutation(  # apply_ddp(global_num_items=True) ignored
         "apply_ddp_drops_global_num_items",
         "torch_impl/hf/data_parallel.py",
         "global_num_items=global_num_items, dp_dim=dp_dim, cp_dim=cp_dim)\n    ddp = ",

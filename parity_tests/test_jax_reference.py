@@ -214,3 +214,29 @@ def test_head_tail_worked_example():
 def test_bad_layouts_raise_value_error(call, match):
     with pytest.raises(ValueError, match=match):
         call(jnp.zeros((1, 3)))
+
+
+def definition_cases():
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 3, 4):
+        for layout, L in (("contiguous", 3), ("head_tail", 4)):
+            chunks = n * (2 if layout == "head_tail" else 1)
+            for halo_size in (0, 1, 5, 2 * n * L, tuple(int(h) for h in rng.integers(0, 2 * L, chunks))):
+                yield n, layout, L, halo_size, 1 if n % 2 else 0
+
+
+@pytest.mark.parametrize("n,layout,L,halo_size,left_padding", list(definition_cases()))
+def test_gather_halo_is_its_definition(n, layout, L, halo_size, left_padding):
+    """The ppermute implementation gives, on every device, the global tokens halo_rows names, zeros
+    at -1; and every token's gradient is the sum of the cotangents at the positions naming it."""
+    x = expected.stamped((2, n * L, 3), np.float32)  # global order
+    kwargs = dict(halo_size=halo_size, left_padding=left_padding, layout=layout)
+    rows = [jax_reference.halo_rows(n, L, r, **kwargs) for r in range(n)]
+    ct = expected.small_ints(np.random.default_rng(n), (n, 2, len(rows[0]), 3), np.float32)
+    y, grad = jax_harness.run("gather_halo", expected.device_order(x, n, layout), n, ct, **kwargs)
+    want_grad = np.zeros_like(x)
+    for r in range(n):
+        held = np.array(rows[r])
+        np.testing.assert_array_equal(y[r], np.where(held[None, :, None] >= 0, x[:, held], 0))
+        np.add.at(want_grad, (slice(None), held[held >= 0]), ct[r][:, held >= 0])
+    np.testing.assert_array_equal(grad, expected.device_order(want_grad, n, layout))

@@ -1,4 +1,5 @@
-"""The README's recipes (examples/recipes/), run as a user runs them: under torchrun, on gloo.
+"""The recipes (examples/recipes/, in docs/hf.md and docs/trainer.md), run as a user runs them:
+under torchrun, on gloo.
 
 Each recipe compares its CP run with one process and exits 1 when they differ (the data-parallel
 one compares every gradient to 1e-6 of its largest entry: DDP wrapped as it is, `--wrap ddp-as-is`,

@@ -288,7 +288,7 @@ def main(argv=None):
     workdir = os.path.join(os.path.dirname(args.out), "runs")
     for name in args.cases.split(",") if args.cases else ():
         results[name] = run(name, args.cp_size, os.path.join(workdir, name))
-    if args.recipes:  # as the README runs them (float32 models), with or without CP
+    if args.recipes:  # as docs/trainer.md runs them (float32 models), with or without CP
         for recipe in (trainer, sft):
             out = os.path.join(workdir, recipe.__name__.rsplit(".", 1)[1])
             results[recipe.__name__] = recipe.main(["--cp-size", str(args.cp_size), "--output-dir", out])

@@ -12,7 +12,7 @@ import torch
 from torch_impl.attention.rule import mask_mod, repeat_kv
 from torch_impl.layout import document_starts
 
-# CPU tiles: query rows per block (and key rows per tile that needs a mask), measured fastest here
+# CPU tiles: query rows per block (and key rows per tile that needs a mask), sizes chosen by timing
 BLOCK = {"global": 1024, "window": 256, "masked": 512}
 
 
@@ -117,7 +117,7 @@ def _tile_forward(q, key, value, tile, visible, scale, groups, softcap, work):
 
 # --- soft-capped tiles: explicit scores, a key head's query heads stacked into one matrix ----------
 # S = cap * tanh(x / cap) (x = q.k * scale) is computed as cap * (2 sigmoid(2x / cap) - 1), the same
-# function: CPU sigmoid is ~10x faster than tanh here, and S's rounding grows from u |S| to
+# function, as CPU sigmoid is faster than tanh; S's rounding grows from u |S| to
 # about 3u cap (2u cap from the subtraction), each weight exp(S - lse) by as much, relative.
 
 
