@@ -227,6 +227,10 @@ def test_packed_documents_are_isolated():
         ("lfm2", 2, "aot_eager_packed_ac"),  # packed rows, checkpointing (the conv hooks keep no state)
         ("gemma2", 2, "aot_eager"),  # soft-capped tiles
         ("gpt_oss", 2, "aot_eager"),  # sinks, a parameter through the attention's autograd.Function
+        # Mamba2: the module's own forward over the CP functions (Qwen3.5's Gated DeltaNet fails
+        # under aot_eager in one process too, a view in its compiled backward: test_train compiles
+        # it with inductor; Jamba's MoE routing has no full graph in one process either)
+        ("bamba", 2, "aot_eager"),
     ],
 )
 def test_compiled_decoder_layers_match_eager(pool, name, n, backend):

@@ -46,12 +46,19 @@ def check_verdict(out):
             marks=pytest.mark.slow,
         ),
         ["--cp", "2", "--model", "qwen3_5", "--dtype", "float64", "--steps", "2", "--layout", "head_tail"],
+        ["--dp", "2", "--cp", "2", "--model", "qwen3_5", "--ac", "--dtype", "float64", "--steps", "2"],
+        pytest.param(
+            ["--cp", "2", "--model", "qwen3_5", "--compile", "--ac", "--dtype", "float64", "--steps", "2"],
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=[
         "gemma3-cp4-head_tail",
         "lfm2-dp2-cp2-ac-float64",
         "deepseek_v32-dp2-cp2-float64",
         "qwen3_5-cp2-head_tail-float64",
+        "qwen3_5-dp2-cp2-ac-float64",
+        "qwen3_5-cp2-compiled-ac-float64",
     ],
 )
 def test_training_equals_one_process(tmp_path, args):
@@ -72,10 +79,10 @@ def test_training_equals_one_process(tmp_path, args):
         assert m["received_per_layer"].keys() == {"torch_impl"}
         return
     ours, base = m["received_per_layer"]["torch_impl"], m["received_per_layer"]["allgather"]
-    assert len(ours) == 4  # per rank, per layer: never more than the all-gather of K and V
+    assert len(ours) == size["--dp"] * size["--cp"]  # per rank, per layer: never more than the baseline's
     assert all(a <= b for rank in zip(ours, base, strict=True) for a, b in zip(*rank, strict=True))
-    if "lfm2" not in args:  # Gemma 3's sliding layers: less in all
-        assert sum(map(sum, ours)) < sum(map(sum, base))
+    if "lfm2" not in args and "qwen3_5" not in args:  # DeepSeek's latents: less in all (LFM2's and
+        assert sum(map(sum, ours)) < sum(map(sum, base))  # Qwen3.5's attention is global: the same)
 
 
 @pytest.mark.slow

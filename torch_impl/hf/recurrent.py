@@ -56,7 +56,9 @@ def apply_recurrent(module: nn.Module, group, layout: str) -> str:
     """Run `module` (kernel_of(module) not None) context-parallel; returns the recurrence's name."""
     kernel = kernel_of(module)
     forward = inspect.unwrap(type(module).forward)
-    scope = dict(forward.__globals__)
+    # the module's globals but its __name__: torch.compile reads a named scope's globals from the
+    # module of that name (where the CP functions are not), an unnamed one from this dict
+    scope = {name: value for name, value in forward.__globals__.items() if name != "__name__"}
     scope[CONV] = ConvHalo(scope[CONV], group, layout)
     cp = {"mamba2_chunk_scan": MambaScan, "mamba_selective_scan": SelectiveScan}.get(kernel, ChunkState)
     scope[kernel] = cp(scope[kernel], group, layout)
