@@ -39,8 +39,8 @@ def blocks():
 
 def runnable():
     for param in blocks():
-        match = param.values[0]
-        if match["marker"] in ("run",) or (match["marker"] or "").startswith("torchrun"):
+        marker = param.values[0]["marker"]
+        if marker != "fragment" and MARKER.fullmatch(marker or ""):
             yield param
 
 
