@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-block demo-routing test test-all parity models mutants lint bench bench-quick bench-train bench-capacity bench-packed gpu-check clean
+.PHONY: demo demo-block demo-routing test test-all parity models mutants lint bench bench-quick bench-train bench-capacity bench-packed bench-other bench-report gpu-check clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -41,31 +41,55 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# every bench target writes its JSON (stamped with the commit and the machine) to docs/results/ and its
+# plot to docs/, then `make bench-report` rewrites docs/benchmarks.md's figures from those files
+RESULTS := docs/results
+REPORT := $(PY) -m benchmarks.report
+
 bench: $(STAMP)
-	$(PY) -m benchmarks.cp_bench
+	$(PY) -m benchmarks.cp_bench --json $(RESULTS)/bench.json --plot docs/bench.png
+	$(REPORT)
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks.cp_bench --quick
 
 bench-train: $(STAMP)
-	$(PY) -m benchmarks.train_bench
+	$(PY) -m benchmarks.train_bench --json $(RESULTS)/bench_train.json --plot docs/bench_train.png
+	$(REPORT)
 
 bench-capacity: $(STAMP)
-	$(PY) -m benchmarks.rank_capacity
+	$(PY) -m benchmarks.rank_capacity --json $(RESULTS)/rank_capacity.json --plot docs/rank_capacity.png
 	$(PY) -m benchmarks.rank_capacity --model deepseek_v32 --variants alone,torch_impl \
-		--json out/rank_capacity_dsa.json --plot out/rank_capacity_dsa.png
-	$(PY) -m benchmarks.rank_capacity --model qwen3_5 --lens 1024,4096 --reps 2 --layers 3 --hidden 1024 \
-		--json out/rank_capacity_qwen3_5.json --plot out/rank_capacity_qwen3_5.png
-	$(PY) -m benchmarks.rank_capacity --model mamba2 --lens 1024,4096 --reps 2 --layers 3 --hidden 1024 \
-		--json out/rank_capacity_mamba2.json --plot out/rank_capacity_mamba2.png
+		--json $(RESULTS)/rank_capacity_dsa.json --plot docs/rank_capacity_dsa.png
+	for model in qwen3_5 mamba2; do \
+		$(PY) -m benchmarks.rank_capacity --model $$model --lens 1024,4096 --reps 2 --layers 3 --hidden 1024 \
+			--json $(RESULTS)/rank_capacity_$$model.json --plot docs/rank_capacity_$$model.png || exit 1; \
+	done
 	for model in gemma2 gpt_oss; do \
 		$(PY) -m benchmarks.rank_capacity --model $$model --lens 4096 --reps 2 --variants alone,torch_impl \
-			--json out/rank_capacity_$$model.json --plot out/rank_capacity_$$model.png || exit 1; \
+			--json $(RESULTS)/rank_capacity_$$model.json --plot docs/rank_capacity_$$model.png || exit 1; \
 	done
+	$(REPORT)
 
 bench-packed: $(STAMP)
-	$(PY) -m benchmarks.packed_rows
-	$(PY) -m benchmarks.packed_rows --mixes short --ranks all --variants torch_impl --json out/packed_ranks.json
+	$(PY) -m benchmarks.packed_rows --json $(RESULTS)/packed_rows.json
+	$(PY) -m benchmarks.packed_rows --mixes short --ranks all --variants torch_impl --json $(RESULTS)/packed_ranks.json
+	$(REPORT)
+
+# the Trainer / SFTTrainer with the mixin against without; per-rank work under both layouts; the main
+# job's figures (make demo, writing its metrics); DeepSeek Sparse Attention's bytes; the inputs check
+bench-other: $(STAMP)
+	$(PY) -m benchmarks.trainer_cost --json $(RESULTS)/trainer_cost.json
+	$(PY) -m benchmarks.layout_balance --json $(RESULTS)/layout_balance.json --plot docs/layout_balance.png
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 -m examples.train --cp 4 --reference \
+		--metrics $(RESULTS)/demo.json --figure docs/loss_curves.png
+	$(PY) -m benchmarks.dsa_bytes --json $(RESULTS)/dsa_bytes.json
+	$(PY) -m benchmarks.dsa_bytes --coverage --json $(RESULTS)/dsa_coverage.json
+	$(PY) -m benchmarks.inputs_check --json $(RESULTS)/inputs_check.json
+	$(REPORT)
+
+bench-report: $(STAMP)
+	$(REPORT)
 
 # on a GPU node, with its own python and torch (no .venv: such nodes may reach no package registry)
 GPU_PY ?= python3

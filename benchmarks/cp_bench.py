@@ -47,7 +47,6 @@ about half as much as the gather itself on this VM (compare `raw` and `raw_alloc
 
 import argparse
 from contextlib import nullcontext
-import json
 import os
 import statistics
 import time
@@ -67,6 +66,7 @@ from benchmarks.transports import (
     list_cat,
     neighbour_ring,
 )
+from cp_support import results
 from cp_support.launch import RANK_ENV, run_ranks
 from cp_support.memory import peak_mib, reset_peak
 from cp_support.minima import halo_tokens_moved
@@ -284,8 +284,7 @@ def main(argv=None):
     layers = layer_bench(2 if args.quick else 4, layer_cfg, reps)
     for path in (args.json, args.plot):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(rows + layers, f, indent=1)
+    results.write(args.json, args, rows + layers)
     plot(rows, args.plot)
     print(f"json: {args.json}\nplot: {args.plot}")
     return rows + layers

@@ -21,6 +21,7 @@ import argparse
 
 import torch
 
+from cp_support import results
 from cp_support.minima import indexed_layer_bytes
 
 
@@ -50,18 +51,23 @@ def main(argv=None):
     p.add_argument("--local-len", type=int, default=16384)
     p.add_argument("--item", type=int, default=2, help="bytes per value (2: bfloat16)")
     p.add_argument("--coverage", action="store_true")
+    p.add_argument("--json", default="out/dsa_bytes.json")
     args = p.parse_args(argv)
     import transformers as tf
 
     if args.coverage:
+        rows = []
         for seq_len, n, topk in ((2048, 4, 64), (2048, 4, 256), (2048, 8, 256)):
-            shares = coverage(seq_len, n, topk)
-            low = min(shares.values())
+            shares = sorted(coverage(seq_len, n, topk).values())
+            rows.append(
+                {"S": seq_len, "n": n, "topk": topk, "min": shares[0], "median": shares[len(shares) // 2]}
+            )
             print(
                 f"S={seq_len}, n={n}, index_topk={topk}: the selected share of the prefix, per layer and "
-                f"rank: min {low:.3f}, median {sorted(shares.values())[len(shares) // 2]:.3f}"
+                f"rank: min {rows[-1]['min']:.3f}, median {rows[-1]['median']:.3f}"
             )
-        return None
+        results.write(args.json, args, rows)
+        return rows
 
     n, L, item = args.n, args.local_len, args.item
     print(f"n = {n} ranks, L = {L} tokens per rank (S = {n * L}), {item} bytes a value; per layer and step")
@@ -79,6 +85,7 @@ def main(argv=None):
             base = pick(b[("allgather", "forward")] + b[("allgather", "backward")] for b in per_rank)
             print(f"{name:<15}{latent:>7}{expanded:>7}  {label:<10}{ours:>14,}{base:>16,}{ours / base:>8.4f}")
             rows.append({"model": name, "ranks": label, "torch_impl": ours, "allgather": base})
+    results.write(args.json, args, rows)
     return rows
 
 

@@ -32,6 +32,8 @@ import xml.etree.ElementTree as ET
 
 import torch
 
+from cp_support import results
+
 GEMMA3_1B = ["--layers=26", "--hidden=1152", "--heads=4", "--head-dim=256", "--intermediate=6912"]
 GEMMA3_1B += ["--vocab=32768", "--window=512", "--n=8"]
 QUICK = ["--layers=6", "--hidden=64", "--heads=2", "--head-dim=32", "--vocab=256", "--window=64", "--n=8"]
@@ -176,7 +178,14 @@ def main(argv=None):
     failed = tests.get("failed", [])
     print(f"tests: {tests.get('passed', 0)} passed, {len(failed)} failed {failed or ''}")
     meta = {"device": device_name, "torch": torch.__version__, "transformers": transformers.__version__}
-    result = {"meta": meta, "options": options, "tests": tests, "rows": rows, "targets": checks}
+    result = {
+        "stamp": results.stamp(),
+        "meta": meta,
+        "options": options,
+        "tests": tests,
+        "rows": rows,
+        "targets": checks,
+    }
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
     print(f"# {args.json}, {time.monotonic() - started:.0f} s")

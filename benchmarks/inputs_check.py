@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from cp_support import results
 from cp_support.launch import run_ranks
 from cp_support.models import build_model
 from torch_impl import hf, validation
@@ -52,13 +53,17 @@ def main(argv=None):
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--cp", type=int, default=4)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--json", default="out/inputs_check.json")
     args = parser.parse_args(argv)
-    results = run_ranks(_rank, args.cp, args.seq_len, args.reps, timeout_s=900)
-    on, off, check = (max(r[i] for r in results) for i in range(3))
+    per_rank = run_ranks(_rank, args.cp, args.seq_len, args.reps, timeout_s=900)
+    on, off, check = (max(r[i] for r in per_rank) for i in range(3))
     print(f"Gemma 3 layout, {args.seq_len} tokens over {args.cp} CP ranks, float32 forward (eval), medians:")
     print(f"  forward with the inputs check    {on * 1e3:8.2f} ms")
     print(f"  forward without (validate=False) {off * 1e3:8.2f} ms  (with / without: {on / off:.3f})")
     print(f"  the check's all-gather alone     {check * 1e3:8.3f} ms  ({check / off:.2%} of a forward)")
+    results.write(
+        args.json, args, [{"with_check_ms": on * 1e3, "without_ms": off * 1e3, "check_ms": check * 1e3}]
+    )
 
 
 if __name__ == "__main__":

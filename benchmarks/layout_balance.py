@@ -27,6 +27,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from cp_support import results
+
 LAYOUTS = ("contiguous", "head_tail")
 
 
@@ -158,9 +160,7 @@ def main(argv=None):
         return child(args)
     rows = run(args)
     print(summary(rows, args.n))
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"args": vars(args), "torch": torch.__version__, "rows": rows}, f, indent=1)
+    results.write(args.json, args, rows)
     plot(rows, args.plot)
     print(f"# {args.json}, {args.plot}")
     return rows

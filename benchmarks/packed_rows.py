@@ -36,6 +36,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from cp_support import results
 from cp_support.memory import peak_mib, reset_peak
 from cp_support.models import capacity_model
 
@@ -255,9 +256,7 @@ def main(argv=None):
     )
     rows = run(args)
     print(table(rows))
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"meta": {"torch": torch.__version__, "args": vars(args)}, "rows": rows}, f, indent=1)
+    results.write(args.json, args, rows)
     print(f"# {args.json}")
     return rows
 

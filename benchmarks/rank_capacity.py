@@ -42,6 +42,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from cp_support import results
 from cp_support.memory import peak_mib, reset_peak
 from cp_support.models import WINDOWS, capacity_model
 from cp_support.traffic import PayloadCounter
@@ -278,10 +279,7 @@ def main(argv=None):
     )
     rows = run_cuda(args, lens) if device == "cuda" else run_cpu(args, lens)
     print(table(rows))
-    meta = {"device": device, "torch": torch.__version__, "args": vars(args)}
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    results.write(args.json, args, rows)
     plot(rows, args.plot, device)
     print(f"# {args.json}, {args.plot}")
     return rows

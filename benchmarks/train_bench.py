@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 
+from cp_support import results
 from cp_support.launch import RANK_ENV
 
 TRANSPORTS = ("allgather", "torch_impl")
@@ -154,8 +155,7 @@ def main(argv=None):
     print(f"# {time.perf_counter() - started:.0f}s in all; ratios: torch_impl / all-gather baseline")
     for path in (args.json, args.plot):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(rows, f, indent=1)
+    results.write(args.json, args, rows)
     plot(rows, args.plot)
     print(f"json: {args.json}\nplot: {args.plot}")
     return rows

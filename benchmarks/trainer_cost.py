@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from cp_support import results
+
 CASES = ("trainer", "sft", "fsdp2_lora")
 
 
@@ -164,9 +166,7 @@ def main(argv=None):
             f"| {case} ({args.seq_len}) | {one['ms']:.0f}, {one['peak_mib']:.0f} | {two['ms']:.0f}, "
             f"{two['peak_mib']:.0f} ({ratios}) |"
         )
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    results.write(args.json, args, rows)
     return rows
 
 

@@ -26,7 +26,7 @@ def bench(module, *args, timeout=280):
 def test_quick_mode_runs_and_counts_the_minimum_bytes(tmp_path):
     json_path, plot_path = tmp_path / "bench.json", tmp_path / "bench.png"
     out = bench("cp_bench", "--quick", "--json", json_path, "--plot", plot_path)
-    every = json.loads(json_path.read_text())
+    every = json.loads(json_path.read_text())["rows"]
     assert "# targets" in out and "# torch.compile: gather_halo" in out and "a Gemma 3 decoder layer" in out
     assert plot_path.stat().st_size > 10_000
     rows, layers = [r for r in every if "variant" in r], [r for r in every if "layer" in r]
@@ -68,7 +68,7 @@ def test_train_bench_quick_mode_runs(tmp_path):
     json_path, plot_path = tmp_path / "bench_train.json", tmp_path / "bench_train.png"
     out = bench("train_bench", "--quick", "--steps", 2, "--json", json_path, "--plot", plot_path)
     assert "ratios: torch_impl / all-gather baseline" in out
-    (row,) = json.loads(json_path.read_text())
+    (row,) = json.loads(json_path.read_text())["rows"]
     assert plot_path.stat().st_size > 10_000
     assert row["torch_impl_bytes_per_step"] < row["allgather_bytes_per_step"]
     assert all(row[f"{t}_{k}"] > 0 for t in ("torch_impl", "allgather") for k in ("step_ms", "peak_mib"))

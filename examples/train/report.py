@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from cp_support import results
 from cp_support.models import build_model
 from examples.train.loop import train_reference
 
@@ -27,6 +28,7 @@ def report(args, corpus, device, losses, times, elapsed, per_rank, params, job_s
         f"the model, the transport measurement and {len(times)} steps"
     )
     metrics = {
+        "stamp": results.stamp(),
         "args": vars(args),
         "losses": losses,
         "step_seconds": times,
