@@ -52,7 +52,7 @@ def report(args, corpus, device, losses, times, elapsed, per_rank, params, job_s
         print(f"{verdict}: largest difference {worst:.3e} (tolerance {tolerance:g} for {args.dtype})")
         drift = max(((params[k] - p.cpu()).abs().max() / p.abs().max()).item() for k, p in one_params.items())
         print(f"trained parameters: largest difference {drift:.3e}, relative to each tensor's largest entry")
-        metrics["parameter_difference"] = drift
+        metrics |= {"parameter_difference": drift, "tolerance": tolerance, "verdict": verdict}
         title = (
             f"{args.model}, {args.dtype}: dp {args.dp} x cp {args.cp} ({args.layout} shards), "
             f"{args.seq_len} tokens a sequence, against one process"
