@@ -67,7 +67,7 @@ bench-capacity: $(STAMP)
 	done
 	for model in gemma2 gpt_oss; do \
 		$(PY) -m benchmarks.rank_capacity --model $$model --lens 4096 --reps 2 --variants alone,torch_impl \
-			--json $(RESULTS)/rank_capacity_$$model.json --plot docs/rank_capacity_$$model.png || exit 1; \
+			--json $(RESULTS)/rank_capacity_$$model.json --plot out/rank_capacity_$$model.png || exit 1; \
 	done
 	$(REPORT)
 

@@ -54,8 +54,16 @@ def stamp():
         },
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "command": " ".join(["python -m " + _module(sys.argv[0]), *sys.argv[1:]]),
+        "command": _command(),
     }
+
+
+def _command():
+    """How this process was started: `python -m module args`, or torchrun's line under torchrun."""
+    command = " ".join([f"-m {_module(sys.argv[0])}", *sys.argv[1:]])
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return f"torchrun --nproc-per-node {os.environ['LOCAL_WORLD_SIZE']} {command}"
+    return f"python {command}"
 
 
 def _module(path):

@@ -8,6 +8,7 @@ A Python block is preceded by a marker: `<!-- fragment -->` (an excerpt, not run
 """
 
 import importlib
+import json
 import os
 from pathlib import Path
 import re
@@ -16,6 +17,7 @@ import sys
 
 import pytest
 
+from benchmarks import report
 from parity_tests import jobs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,3 +113,46 @@ def test_every_name_and_path_mentioned_exists(doc):
             obj = getattr(obj, attribute)
     for path in sorted(set(PATH.findall(text))):
         assert (ROOT / path).exists(), f"{doc.name}: `{path}` does not exist"
+
+
+# --- figures: generated from the benchmarks' results, never typed ---------------------------------
+
+GENERATED = re.compile(r"<!-- generated: (\w+) -->\n.*?<!-- end generated -->", re.S)
+FIGURE = re.compile(r"\b\d+\.\d+x\b|\b\d[\d,.]* ?(?:ms|MiB|MB|GB|s a step)\b|\b\d+(?:\.\d+)?%")
+# figures outside generated blocks that are not measurements: targets, bounds, arithmetic
+NOT_MEASURED = {
+    ("benchmarks.md", "1.3x"): "make gpu-check's memory target",
+    ("benchmarks.md", "20 s a step"): "make gpu-check's time target",
+    ("hf.md", "14.7 MB"): "the state's size: 7 x 16 x 128 x 256 float32",
+    ("hf.md", "0.56x"): "the attention share's ideal under head_tail, by counting",
+    ("testing.md", "8 MiB"): "the long-run test's bound",
+}
+
+
+def test_every_figure_is_generated_from_the_benchmark_results():
+    """Every generated block equals what benchmarks/report.py renders from docs/results/ now: run
+    `make bench-report` after a benchmark, and commit its JSON with the docs."""
+    stale = [p.name for p in report.documents() if report.rewrite(p.read_text()) != p.read_text()]
+    assert not stale, f"out of date (run `make bench-report`): {stale}"
+
+
+def test_every_results_file_is_stamped_and_shown():
+    """Each block's results exist, each results file feeds a block that a page shows, and each
+    names the commit it was measured at, with no uncommitted change to the code."""
+    read = {name for files, _ in report.BLOCKS.values() for name in files}
+    assert {p.stem for p in report.RESULTS.glob("*.json")} == read
+    shown = {name for doc in report.documents() for name in GENERATED.findall(doc.read_text())}
+    assert shown == set(report.BLOCKS)
+    for path in sorted(report.RESULTS.glob("*.json")):
+        stamp = json.loads(path.read_text())["stamp"]
+        assert stamp["commit"] and not stamp["modified"], (path.name, stamp)
+        if (ROOT / ".git").exists():
+            known = subprocess.run(["git", "cat-file", "-e", f"{stamp['commit']}^{{commit}}"], cwd=ROOT)
+            assert known.returncode == 0, f"{path.name}: commit {stamp['commit']} is not in this history"
+
+
+@pytest.mark.parametrize("doc", report.documents(), ids=lambda d: d.name)
+def test_no_measured_figure_outside_a_generated_block(doc):
+    text = re.sub(r"```.*?```", "", GENERATED.sub("", doc.read_text()), flags=re.S)
+    typed = [m for m in FIGURE.findall(text) if (doc.name, m) not in NOT_MEASURED]
+    assert not typed, f"{doc.name}: figures typed by hand (generate them: benchmarks/report.py): {typed}"

@@ -13,15 +13,12 @@ out' = out * sigmoid(lse - sink) (a query that sees no key still returns zeros).
 O((L + T) * heads * head_dim) plus a kernel's workspace; no path builds a mask or score matrix that
 grows with L * T.
 
-| device | layer                                      | kernel                                              |
-|--------|--------------------------------------------|-----------------------------------------------------|
-| CUDA   | global, no documents, padding, cap, sinks  | flash attention, causal aligned bottom-right        |
-| CUDA   | the rest (windows, documents, padding,     | flex_attention, BlockMask built from `mask_mod`;    |
-|        | soft-capping, sinks)                       | the cap a `score_mod`, sinks through its lse        |
-| CPU    | all                                        | `tiled_attention`: query blocks over key tiles (the |
-|        |                                            | CPU flash op; soft-capped: explicit block-sized     |
-|        |                                            | scores), merged by log-sum-exp, sinks joined to the |
-|        |                                            | merged lse, exact backward recomputing each tile    |
+Kernels (`kernels.choose_kernel`; the table with the reasons is in docs/hf.md): on CUDA, flash
+attention aligned bottom-right for global layers without documents, padding, cap or sinks, and
+`flex_attention` with a BlockMask built from `mask_mod` for the rest (the cap a `score_mod`, sinks
+through its lse); on CPU, `tiled_attention`: query blocks over key tiles through the CPU flash op
+(soft-capped: explicit block-sized scores), merged by log-sum-exp, sinks joined to the merged lse,
+an exact backward recomputing each tile.
 
 Packed documents cost what they need: the CPU tiles skip every tile that no query's document
 reaches and leave tiles inside one document unmasked (`tile_plan`'s spans); on CUDA,

@@ -11,28 +11,12 @@ Rank r of n holds the global tokens [r*L, (r+1)*L), L = S/n (or, with `layout="h
 to both calls, chunks r and 2n-1-r of S/2n tokens: balanced causal work). The adapter is one registered
 attention implementation (`config._attn_implementation = "cp_transport"`, through transformers'
 `AttentionInterface` and `AttentionMaskInterface`), forward hooks on short convolutions, and
-linear-attention modules run with CP versions of their conv and chunked kernel:
-
-| layer kind                              | forward transport (rank r)    | the math                  |
-|-----------------------------------------|-------------------------------|---------------------------|
-| full causal attention                   | K and V side by side in one   | torch_impl.attention over |
-|                                         | gather_sequence               | the keys up to its own,   |
-| sliding-window attention, window W      | K and V in one                | queries at r*L, keys at   |
-| (a query sees W keys, itself included)  | gather_halo(W - 1)            | their global rows         |
-| chunked attention, chunk C (Llama 4)    | K and V: each chunk's reach   | torch_impl.attention with |
-|                                         | back to its attention chunk's | the attention chunks as   |
-|                                         | start                         | documents                 |
-| causal depthwise short conv, kernel K   | input, padding mask:          | the module's own forward; |
-| (LFM2's, LFM3's short convs)            | gather_halo(K - 1)            | the halo's outputs dropped|
-| linear attention: Gated DeltaNet        | the conv's input:             | the module's own forward, |
-| (Qwen3.5, Qwen3-Next, OLMo hybrid),     | gather_halo(K - 1); the       | its conv over the halo,   |
-| KDA (Kimi Linear), Mamba2 (Nemotron-H,  | state: gather_state of every  | its chunked kernel from   |
-| Granite 4.0 H, Falcon-H1, Bamba, ...),  | chunk's (A, B)                | the earlier chunks' state |
-| Mamba (Jamba, Zamba, Falcon Mamba, ...) |                               |                           |
-| DeepSeek Sparse Attention (DeepSeek     | MLA latents and indexer keys  | the model's own indexer,  |
-| V3.2, GLM-5: `indexed_attention`)       | of the causal prefix:         | blocked; sparse_mla_      |
-|                                         | gather_halo((n-1)*L)          | attention (absorbed MLA)  |
-|                                         |                               | over the picked latents   |
+linear-attention modules run with CP versions of their conv and chunked kernel. Full attention
+gathers K and V (side by side, one `gather_sequence`), sliding windows and short convolutions
+fetch `gather_halo`'s W - 1 or K - 1 preceding tokens, chunked attention its chunk's reach, linear
+recurrences receive the earlier chunks' state (`gather_state`), DeepSeek Sparse Attention the
+causal prefix's latents; docs/hf.md ("Layer kinds") has the table of what each receives and how
+its math is kept exact.
 
 The padding mask (the model's attention_mask) is gathered once per forward by the pre-hook, a
 byte a token, and every attention layer cuts its keys' rows from it.
