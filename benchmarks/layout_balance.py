@@ -50,8 +50,9 @@ def build(model, max_positions):
         )
         return tf.LlamaForCausalLM(config)
     from benchmarks import rank_capacity
+    from cp_support.models import capacity_model
 
-    return rank_capacity.build_model(rank_capacity.parse([]), max_positions)
+    return capacity_model(rank_capacity.parse([]), max_positions)
 
 
 def child(args):
