@@ -33,7 +33,7 @@ def load(name):
 
 
 def provenance(*runs):
-    """One line per distinct run: the commit, the date, the machine, the command."""
+    """A line per run: the commit, the date, the machine, the command."""
     lines = []
     for data in runs:
         s = data["stamp"]
@@ -44,7 +44,7 @@ def provenance(*runs):
             f"<sub>Measured at commit `{s['commit']}`{modified}, {s['date']}, on {where} (torch "
             f"{s['torch']}): `{s['command']}`</sub>"
         )
-    return "\n".join(lines)
+    return "\n\n".join(lines)
 
 
 def ratio(a, b):
@@ -221,8 +221,8 @@ def bench_findings(data):
     times, wires = zip(*compiled, strict=True)
     lines = [
         f"- {len(configs)} configurations (n = {', '.join(map(str, sorted({c[0] for c in configs})))}). "
-        f"`gather_halo` received exactly the analytic minimum in {exact} of {len(halos)} measurements "
-        "(eager p2p and its `all_to_all` exchange, every rank).",
+        f"`gather_halo` received exactly the analytic minimum on every rank in {exact} of {len(halos)} halo "
+        "measurements (each halo configuration through the eager p2p exchange and its `all_to_all` one).",
         f"- `gather_sequence` against list_cat: forward {min(gather_fwd):.2f}x to {max(gather_fwd):.2f}x, "
         f"forward+backward {min(gather):.2f}x to {max(gather):.2f}x.",
         f"- `gather_halo` under `torch.compile` against its eager p2p exchange: {min(times):.2f}x to "

@@ -100,6 +100,22 @@ def test_packed_rows_quick_mode_counts_the_documents_minimum(tmp_path):
     assert "| short | head_tail | 3 |" in out
 
 
+def test_layout_balance_runs_both_models_and_layouts(tmp_path):
+    """`make bench-other`'s per-rank work under both layouts, at tiny sizes: every (model, layout,
+    rank) runs in its own process and the report renders its JSON (no timing assertions)."""
+    from benchmarks import report
+
+    json_path, plot_path = tmp_path / "balance.json", tmp_path / "balance.png"
+    options = ["--n", 2, "--len", 64, "--reps", 2, "--json", json_path, "--plot", plot_path]
+    bench("layout_balance", *options)
+    data = json.loads(json_path.read_text())
+    rows = {(r["model"], r["layout"], r["rank"]) for r in data["rows"]}
+    layouts = ("contiguous", "head_tail")
+    assert rows == {(m, lay, r) for m in ("llama", "gemma3") for lay in layouts for r in (0, 1)}
+    assert all(r["ms"] > 0 for r in data["rows"]) and data["stamp"]["machine"]["cores"]
+    assert "| head_tail |" in report.layout_balance(data)
+
+
 def test_gpu_check_quick_mode_runs(tmp_path):
     """make gpu-check's command at tiny shapes, here on the CPU: the CUDA tests skip (none fails),
     one rank of bench-capacity runs at 128 tokens per rank and doubles to 1024, the JSON holds it
