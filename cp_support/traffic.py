@@ -58,6 +58,10 @@ def _payload(name, args):
         row = math.prod(args[0].shape[1:]) * args[0].element_size()  # bytes per split unit (dim 0)
         mine = dist.get_rank(_resolve_process_group(args[3]))
         return (sum(args[1]) - args[1][mine]) * row, (sum(args[2]) - args[2][mine]) * row
+    if name == "allreduce_":  # (tensors, group, op, ...): a reduce-scatter and an all-gather's worth
+        n = dist.ProcessGroup.unbox(args[1]).size()
+        moved = sum(map(_nbytes, args[0])) * 2 * (n - 1) // n
+        return moved, moved
     if name == "send":
         return 0, sum(map(_nbytes, args[0]))
     if name == "recv_":

@@ -13,6 +13,12 @@ forward and backward; the parity suite checks it against them.
 | `gather_metadata` | `all_gather` under `stop_gradient`    | none (zero cotangent)                        |
 | `gather_state`    | `all_gather` of each chunk's affine   | `psum_scatter`: each map's gradient summed   |
 |                   | map, folded in global chunk order     | on its owner                                 |
+| `sum_sequence`    | local sum over tokens, then `psum`    | `psum` of the devices' cotangents, to every  |
+|                   | (a value per batch row)               | token (the transpose of a psum whose result  |
+|                   |                                       | each device uses in its own way)             |
+| `select_position` | the owner's token, zeros elsewhere,   | the same `psum`, to the owner's token only   |
+|                   | then `psum`                           |                                              |
+| `last_position`   | `pmax` of global positions            | none (an integer)                            |
 
 ``halo_rows(n, L, r, halo_size, ...)`` is ``gather_halo``'s definition: the global token at each
 position of device r's output (the tests check the ``ppermute`` version against it).
@@ -60,6 +66,20 @@ no earlier tokens, only the earlier chunks' maps: chunk c starts from ``S_c``, w
 ``S_{c+1} = A_c @ S_c + B_c`` in global chunk order. Scalars, n=3, contiguous, maps
 ``(A, B) = (2, 1), (3, 1), (5, 1)``: device 0 gets ``S_0 = 0``, device 1 ``S_1 = 2*0 + 1 = 1``,
 device 2 ``S_2 = 3*1 + 1 = 4``. Under head_tail a device gets the states of its two chunks.
+
+Reductions over a sharded row (``sum_sequence``, ``select_position``, ``last_position``). A loss that
+is not a token mean needs a value per batch row from the whole sequence: DPO sums a row's log-probs
+over its completion, a reward model reads the row's last real token. Each device reduces its own
+tokens to ``[B, ...]`` and one ``psum`` (or ``pmax``) over the devices completes it: bytes per row,
+whatever L. Every device then holds the same value and uses it in its own way (its own cotangent
+``g_k``), so the transpose gives each token ``sum_k g_k``: a device whose loss is its *share* of a
+row's loss (``1/n`` of it, the shares adding up to one process's loss) returns exactly one
+process's gradient, and one whose loss is the whole row's returns n times it. n=2, L=2, one row
+of log-probs ``[1 2 | 3 4]`` with mask ``[0 1 | 1 0]`` (tokens 1 and 2 count):
+
+    sum_sequence(x, mask)      -> 5 on both devices; cotangents g_0, g_1 -> grad [0 g | g 0], g = g_0 + g_1
+    last_position(mask)        -> 2 on both devices (the last position whose mask is True)
+    select_position(x, 2)      -> 3 on both devices; grad [0 0 | g 0], the owner's token only
 """
 
 import math
@@ -75,6 +95,9 @@ __all__ = [
     "gather_sequence",
     "gather_state",
     "halo_rows",
+    "last_position",
+    "select_position",
+    "sum_sequence",
 ]
 
 LAYOUTS = ("contiguous", "head_tail")
@@ -219,3 +242,42 @@ def _check_state(A, B, layout):
         raise ValueError(f"`A` must be [batch, {k}, ..., m, m] for layout={layout!r}, got shape {A.shape}")
     if B.shape[:-1] != A.shape[:-1] or B.dtype != A.dtype:
         raise ValueError(f"`B` must be [*A.shape[:-1], p] in A's dtype {A.dtype}, got {B.shape} {B.dtype}")
+
+
+def _positions(x, axis_name, layout):
+    """int32 [L]: the global position of each of this device's tokens (its chunks, in local order)."""
+    n, r, L = lax.axis_size(axis_name), lax.axis_index(axis_name), x.shape[1]
+    if layout == "contiguous":
+        return r * L + jnp.arange(L)
+    C = L // 2
+    return jnp.concatenate([r * C + jnp.arange(C), (2 * n - 1 - r) * C + jnp.arange(C)])
+
+
+def _along(mask, x):
+    """bool [B, L] -> [B, L, 1, ...], broadcasting against x: [B, L, ...]."""
+    return mask.reshape(*mask.shape, *(1,) * (x.ndim - 2))
+
+
+def sum_sequence(x, axis_name, mask=None):
+    """x: [B, L, ...] -> [B, ...]: each row's sum over the whole sequence (over the tokens where
+    `mask`, bool [B, L], is True), the same on every device. Backward: psum of the cotangents."""
+    _check_shard(x)
+    if mask is not None:
+        x = jnp.where(_along(mask, x), x, 0)
+    return lax.psum(jnp.sum(x, axis=1), axis_name)
+
+
+def select_position(x, position, axis_name, layout="contiguous"):
+    """x: [B, L, ...], position: int [B] (a global position per row, the same on every device) ->
+    [B, ...]: each row's token at its position, on every device. Backward: psum of the
+    cotangents, to that token on its owner."""
+    _check_shard(x, layout)
+    owned = _positions(x, axis_name, layout)[None] == position[:, None]  # [B, L]: one True, one device
+    return lax.psum(jnp.sum(jnp.where(_along(owned, x), x, 0), axis=1), axis_name)
+
+
+def last_position(mask, axis_name, layout="contiguous"):
+    """mask: bool [B, L] -> int32 [B]: each row's last global position where mask is True (-1 where
+    none is), on every device."""
+    _check_shard(mask, layout)
+    return lax.pmax(jnp.max(jnp.where(mask, _positions(mask, axis_name, layout), -1), axis=1), axis_name)

@@ -94,3 +94,43 @@ def run_state(A, B, n, layout, cotangent):
             jax.device_put(cotangent, NamedSharding(mesh, P("cp"))),
         )
         return np.asarray(y), (np.asarray(gA), np.asarray(gB))
+
+
+@functools.cache
+def _reductions_program(n, layout):
+    def per_device(x, mask, position):
+        return tuple(
+            y[None]
+            for y in (
+                jax_reference.sum_sequence(x, "cp", mask),
+                jax_reference.select_position(x, position, "cp", layout),
+                jax_reference.last_position(mask, "cp", layout),
+            )
+        )
+
+    sharded = jax.shard_map(
+        per_device, mesh=_mesh(n), in_specs=(P(None, "cp"), P(None, "cp"), P()), out_specs=P("cp")
+    )
+
+    def forward_and_vjp(x, mask, position, ct_sum, ct_select):
+        (total, picked, last), vjp = jax.vjp(lambda x: sharded(x, mask, position), x)
+        (grad,) = vjp((ct_sum, ct_select, np.zeros(last.shape, jax.dtypes.float0)))
+        return total, picked, last, grad
+
+    return jax.jit(forward_and_vjp)
+
+
+def run_reductions(x, mask, position, n, layout, cotangents):
+    """sum_sequence, select_position and last_position on n devices: x [B, n*L, ...] and mask
+    [B, n*L] in device order, position [B], cotangents ([n, B, ...] each, of the first two) ->
+    (outputs [n, B, ...] each, x's gradient in device order)."""
+    mesh = _mesh(n)
+    with jax.set_mesh(mesh):
+        spec = NamedSharding(mesh, P(None, "cp"))
+        total, picked, last, grad = _reductions_program(n, layout)(
+            jax.device_put(x, spec),
+            jax.device_put(mask, spec),
+            jax.device_put(position, NamedSharding(mesh, P())),
+            *(jax.device_put(ct, NamedSharding(mesh, P("cp"))) for ct in cotangents),
+        )
+        return [np.asarray(t) for t in (total, picked, last)], np.asarray(grad)

@@ -197,3 +197,61 @@ def bad_state(group, calls):
             messages.append(str(e))
     y = torch_impl.gather_sequence(torch.full((1, 2, 3), dist.get_rank(group) + 1.0), group)
     return messages, y[0, :, 0].tolist()
+
+
+def reductions(group, configs):
+    """torch_impl's reductions on this rank's shard: config x [B, n*L, ...] and mask [B, n*L] in
+    device order, position [B], dtype, layout, cotangents (per rank, of sum_sequence's and
+    select_position's outputs) -> per config the three outputs, x's gradient, whether an input was
+    mutated, and the bytes received per direction (counted at the c10d calls)."""
+    from cp_support.traffic import PayloadCounter
+
+    n, r, out = dist.get_world_size(group), dist.get_rank(group), []
+    for c in configs:
+        L = c["x"].shape[1] // n
+        x = local_shard(c["x"], group, c["dtype"]).requires_grad_(True)
+        mask = torch.from_numpy(np.ascontiguousarray(c["mask"][:, r * L : (r + 1) * L]))
+        position = torch.from_numpy(c["position"])
+        before = (x.detach().clone(), mask.clone(), position.clone())
+        with PayloadCounter() as counter:
+            counter.tag = "forward"
+            total = torch_impl.sum_sequence(x, group, mask)
+            picked = torch_impl.select_position(x, position, group, layout=c["layout"])
+            last = torch_impl.last_position(mask, group, layout=c["layout"])
+            counter.tag = "backward"
+            cts = [torch.from_numpy(ct[r]).to(x.dtype) for ct in c["cotangents"]]
+            torch.autograd.backward([total, picked], cts)
+        received = {}
+        for call in counter.log:
+            received[call.tag] = received.get(call.tag, 0) + call.received
+        after = (x.detach(), mask, position)
+        out.append(
+            {
+                "sum": total.detach(),
+                "select": picked.detach(),
+                "last": last,
+                "grad": x.grad,
+                "mutated": not all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+                "received": received,
+            }
+        )
+    return out
+
+
+def bad_reductions(group, calls):
+    """Each (function, x shape, x dtype, mask/position, validate) call's ValueError message (None if
+    it raised none), then a sum over the group: no rank was left waiting."""
+    messages = []
+    for function, shape, dtype, extra, validate in calls:
+        x = torch.ones(shape, dtype=DTYPES[dtype])
+        try:
+            if function == "sum_sequence":
+                torch_impl.sum_sequence(x, group, extra, validate=validate)
+            elif function == "select_position":
+                torch_impl.select_position(x, extra, group, validate=validate)
+            else:
+                torch_impl.last_position(x, group, layout=extra, validate=validate)
+            messages.append(None)
+        except ValueError as e:
+            messages.append(str(e))
+    return messages, torch_impl.sum_sequence(torch.ones(1, 1), group).item()

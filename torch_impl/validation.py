@@ -24,7 +24,15 @@ from torch_impl import _group
 from torch_impl import layout as layouts
 
 ENV_VAR = "CP_TRANSPORT_VALIDATE"
-_FUNCTIONS = ("gather_sequence", "gather_halo", "gather_metadata", "gather_state")
+_FUNCTIONS = (
+    "gather_sequence",
+    "gather_halo",
+    "gather_metadata",
+    "gather_state",
+    "sum_sequence",
+    "select_position",
+    "last_position",
+)
 _MAX_DIMS = 8  # shape dims sent as they are; any beyond are folded into one checksum
 _DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "meta", "hpu", "mtia", "privateuseone")
 
@@ -81,12 +89,42 @@ def check_state(maps, layout):
         )
 
 
-def check_local(function, x, halo_size=None, left_padding=None, layout="contiguous", world_size=1):
+def check_reduction(function, x, mask=None, position=None):
+    """The reductions' own arguments (torch_impl.reductions): x's tokens a mask or numbers, and a
+    bool mask [B, L] or one integer position per row [B] beside them."""
+    if function == "last_position" and x.dtype != torch.bool:
+        raise ValueError(f"`mask` must be a bool tensor [batch, local_sequence], got {x.dtype}")
+    if function != "last_position" and x.dtype == torch.bool:
+        raise ValueError(f"`x` must hold numbers, not bool, in {function}; pass x.long() to count")
+    if mask is not None and (
+        not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != x.shape[:2]
+    ):
+        raise ValueError(
+            f"`mask` must be a bool tensor of x's [batch, local_sequence] = {tuple(x.shape[:2])}, got "
+            f"{getattr(mask, 'dtype', type(mask).__name__)} {tuple(getattr(mask, 'shape', ()))}"
+        )
+    if function == "select_position" and (
+        not isinstance(position, torch.Tensor)
+        or position.dtype.is_floating_point
+        or position.dtype == torch.bool
+        or position.shape != x.shape[:1]
+    ):
+        raise ValueError(
+            f"`position` must be an integer tensor [batch] = [{x.shape[0]}] (a global position per row), "
+            f"got {getattr(position, 'dtype', type(position).__name__)} {tuple(getattr(position, 'shape', ()))}"
+        )
+
+
+def check_local(
+    function, x, halo_size=None, left_padding=None, layout="contiguous", world_size=1, **reduction
+):
     if function == "gather_state":
         check_state(x, layout)
         return
     check_shard(x)
     layouts.check(layout, x.shape[1])
+    if function in ("sum_sequence", "select_position", "last_position"):
+        check_reduction(function, x, **reduction)
     if function == "gather_halo":
         check_halo_size(halo_size, layout, world_size)
         check_count("left_padding", left_padding)
@@ -103,14 +141,17 @@ def enabled(validate):
     return bool(validate)
 
 
-def check(function, group, validate, x, halo_size=None, left_padding=None, layout="contiguous"):
-    """The local checks, preceded, when validation is on and there is CP, by the cross-rank one."""
+def check(
+    function, group, validate, x, halo_size=None, left_padding=None, layout="contiguous", **reduction
+):
+    """The local checks, preceded, when validation is on and there is CP, by the cross-rank one.
+    `reduction`: the reductions' mask or position (check_reduction)."""
     n = _group.world_size(group)
     if not enabled(validate) or n == 1 or torch.compiler.is_compiling():
-        check_local(function, x, halo_size, left_padding, layout, n)
+        check_local(function, x, halo_size, left_padding, layout, n, **reduction)
         return
     try:
-        check_local(function, x, halo_size, left_padding, layout, n)
+        check_local(function, x, halo_size, left_padding, layout, n, **reduction)
         error = None
     except ValueError as e:
         error = e
