@@ -338,3 +338,19 @@ def test_host_reads_per_forward(pool, name, packed, validate, sites):
     args = (name, ref.state, ref.batch, validate, "head_tail")
     for library, _ in pool.run(("first", 2), hf_cases.host_reads, *args)[0]:
         assert [site.split(":")[0] for site in library] == sites, library
+
+
+@pytest.mark.parametrize(
+    "name,layout", [("llama", "contiguous"), ("gemma3", "head_tail"), ("qwen3_5", "contiguous"), ("lfm2", "head_tail"), ("bamba", "contiguous")]
+)
+def test_unsharded_calls_run_as_one_process(pool, name, layout):
+    """A call that shard_batch did not make (the whole batch on every rank: a quick forward,
+    generate with and without a KV cache) runs as one process does, to the bit, communicating
+    nothing; a sharded step after it is CP again (its logits one process's at its rows)."""
+    for group_results in pool.run(("block", 2), hf_cases.unsharded_calls, name, layout):
+        for differences, tokens, calls, (sharded, largest) in group_results:
+            assert differences == {"logits": 0.0, "loss": 0.0, "grads": 0.0}, differences
+            assert tokens["cp", True] == tokens["plain", True] and tokens["cp", False] == tokens["plain", False]
+            assert tokens["plain", True] == tokens["plain", False]  # the cache changes nothing
+            assert calls == 0
+            assert sharded <= 1e-12 * largest, (sharded, largest)  # float64, summed in another order

@@ -28,9 +28,24 @@ class Context(NamedTuple):
     kinds: frozenset | None  # the attention layer types the model has; None: any mask it makes
 
 
+class Aside(NamedTuple):
+    """A forward of a parallelized model given a batch that `shard_batch` did not make (the whole
+    sequence on every rank: `generate`, with or without a cache, a quick forward): it runs as one
+    process would. Every CP path steps aside (the model's own mask and attention functions, convs
+    and kernels) and nothing is communicated, so the ranks may run such calls independently."""
+
+    owner: int  # which parallelized model's forward it is (the model's id)
+    make_mask: object  # the model's own mask function (transformers' sdpa_mask or eager_mask)
+
+
+def stepping_aside():
+    """Whether the running forward is an `Aside` one (an unsharded call: as one process)."""
+    return isinstance(RUNNING.context, Aside)
+
+
 class Running:
-    """The Context of the parallelized forward that is running (None outside one): set by its
-    pre-hook, restored by its forward hook. A plain attribute, which torch.compile traces (it does
+    """The Context of the parallelized forward that is running (an Aside for an unsharded one; None
+    outside one): set by its pre-hook, restored by its forward hook. A plain attribute, which torch.compile traces (it does
     not trace a ContextVar)."""
 
     context = None

@@ -30,7 +30,7 @@ from transformers.masking_utils import (
 
 from torch_impl.attention import causal_attention
 from torch_impl.halo import gather_halo
-from torch_impl.hf._common import IMPLEMENTATION, RUNNING, Context
+from torch_impl.hf._common import IMPLEMENTATION, RUNNING, Aside, Context
 from torch_impl.hf.indexed import IndexedContext, indexed_attention
 from torch_impl.layout import Window
 from torch_impl.sequence import gather_sequence
@@ -88,7 +88,15 @@ def temperature_scale(module):
 # --- the registered attention and mask functions -------------------------------------------------
 
 
-def local_mask(
+def local_mask(**kwargs):
+    """The registered mask function: a LocalMask (`shard_mask`), or in an unsharded call (Aside) the
+    model's own mask function's mask."""
+    if isinstance(RUNNING.context, Aside):
+        return RUNNING.context.make_mask(**kwargs)
+    return shard_mask(**kwargs)
+
+
+def shard_mask(
     batch_size,
     q_length,
     kv_length,
@@ -243,13 +251,19 @@ def check_fused_kwargs(module, kwargs):
         )
 
 
-def check_call(module, attention_mask):
-    """The setup `parallelize` set on the module, and the mask this implementation's mask function made."""
+def _setup(module):
+    """The AttentionSetup `parallelize` set on the module."""
     if not isinstance(getattr(module, "context_parallel", None), AttentionSetup):
         raise ValueError(
             f"{type(module).__name__} uses attention `{IMPLEMENTATION}` but was not prepared by "
             "torch_impl.hf.parallelize"
         )
+    return module.context_parallel
+
+
+def check_call(module, attention_mask):
+    """The setup `parallelize` set on the module, and the mask this implementation's mask function made."""
+    _setup(module)
     if not isinstance(attention_mask, (LocalMask, IndexedContext)):
         raise ValueError(
             f"`{IMPLEMENTATION}` needs the mask its mask function made (the model's own create_*_mask), "
@@ -266,6 +280,8 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     """The registered implementation: query [B, H, L, D], key/value [B, Hkv, L, D] on rank r ->
     ([B, L, H, D], weights), equal to the single-process model at the rank's global rows. Each of
     the rank's chunks (one contiguous, two head_tail: ShardPlan) attends over its own keys."""
+    if isinstance(RUNNING.context, Aside):  # an unsharded call: the model's own attention
+        return _setup(module).attend(module, query, key, value, attention_mask, **kwargs)
     check_call(module, attention_mask)
     if isinstance(attention_mask, IndexedContext):
         check_fused_kwargs(module, kwargs)

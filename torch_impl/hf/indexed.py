@@ -9,6 +9,7 @@ import torch
 
 from torch_impl.attention import sparse_mla_attention
 from torch_impl.halo import gather_halo
+from torch_impl.hf._common import stepping_aside
 from torch_impl.sequence import gather_sequence
 
 
@@ -118,6 +119,10 @@ class BlockedIndexer:
     def forward(
         self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None, **kwargs
     ):
+        if stepping_aside():  # an unsharded call: the model's own indexer
+            return super().forward(
+                hidden_states, q_resid, position_embeddings, attention_mask, position_ids, **kwargs
+            )
         context, (B, L, _) = attention_mask, hidden_states.shape
         cos, sin = position_embeddings
 
@@ -154,6 +159,8 @@ class AbsorbedMLA:
     any token is made. The model's own expansion stays `super(AbsorbedMLA, module).expand_kv`."""
 
     def expand_kv(self, kv_nope, k_rot):
+        if stepping_aside():  # an unsharded call: the model's own expansion
+            return super().expand_kv(kv_nope, k_rot)
         return kv_nope, k_rot
 
 

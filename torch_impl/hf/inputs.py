@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from torch_impl import _group, validation
-from torch_impl.hf._common import IMPLEMENTATION, INDEXED, RUNNING, Arguments, Context
+from torch_impl.hf._common import IMPLEMENTATION, INDEXED, RUNNING, Arguments, Aside, Context
 from torch_impl.hf.indexed import IndexedContext
 from torch_impl.layout import Documents, ShardPlan, packed_ids, reach_of
 from torch_impl.layout import check as check_layout
@@ -17,7 +17,7 @@ from torch_impl.metadata import gather_metadata
 
 IGNORE_INDEX = -100
 BATCH_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
-LAYOUT = "cp_layout"  # the kwarg by which shard_batch names a layout other than contiguous
+LAYOUT = "cp_layout"  # the kwarg by which shard_batch marks a rank's shard (naming its layout)
 
 
 class Positions:
@@ -132,14 +132,21 @@ class ModelInputs:
       gathered once per forward ([B, S]) and the documents, and no cache.
     - refused: a KV cache that already holds tokens (each rank's cache would hold its own keys),
       and any input besides a text batch's (pixel values, audio features, token type ids, ...).
+    - a call whose kwargs `shard_batch` did not make (no `cp_layout`: the whole sequence on every
+      rank, as `generate` and quick forwards pass it) runs as one process would (`Aside`): every CP
+      path steps aside for it and nothing is communicated. (A rank that calls with a shard while
+      another calls without waits for it in the cross-rank check: call alike on every rank.)
     - with `validate` (parallelize's default), the ranks first compare their inputs in one
       all-gather of a few integers (`signature`): ranks given different shapes or arguments, or
       one whose own inputs were refused, raise ValueError on every rank instead of hanging or
       returning inconsistent shards. Skipped inside torch.compile (it reads the result on the host).
     """
 
-    def __init__(self, module, owner, group, indexed, validate, layout, positions, chunk, isolates, kinds):
+    def __init__(
+        self, module, owner, group, indexed, validate, layout, positions, chunk, isolates, kinds, make_mask
+    ):
         self.group, self.arguments, self.indexed = group, Arguments(module.forward), indexed
+        self.make_mask = make_mask  # the model's own mask function, for unsharded calls (Aside)
         self.validate, self.layout, self.owner = validate, layout, owner
         self.positions = positions  # the model's own default position_ids (Positions)
         self.chunk = chunk  # chunked attention's chunk size (Llama 4), or None
@@ -152,7 +159,11 @@ class ModelInputs:
         if current is not None and current.owner == self.owner:  # an outer hooked module prepared it
             return None
         kwargs = dict(kwargs)
-        given = kwargs.pop(LAYOUT, "contiguous")  # shard_batch names a layout other than contiguous
+        given = kwargs.pop(LAYOUT, None)  # shard_batch's mark, naming the layout
+        if given is None:  # not a shard: this forward runs as one process would
+            self.outer.append(current)
+            RUNNING.context = Aside(self.owner, self.make_mask)
+            return None
         argument = partial(self.arguments.get, args, kwargs)
         tokens = argument("input_ids")
         tokens = argument("inputs_embeds") if tokens is None else tokens
@@ -297,8 +308,10 @@ def shard_batch(
     Without CP (n = 1) the same keys, with the whole sequence.
 
     layout: "contiguous", or "head_tail" (rank r gets chunks r and 2n-1-r of S/2n tokens: S must be
-    divisible by 2n); the model must be parallelized with the same layout. Under head_tail with
-    n > 1 the kwargs also hold `cp_layout`, which the model's pre-hook checks and removes.
+    divisible by 2n); the model must be parallelized with the same layout. With n > 1 the kwargs
+    also hold `cp_layout`, the mark of a shard, which the model's pre-hook checks and removes: a
+    parallelized model called without it (the whole sequence, e.g. by `generate`) runs as one
+    process.
     """
     group = _group.resolve_group(group)
     check_layout(layout)
@@ -329,6 +342,6 @@ def shard_batch(
         shifted = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)  # [B, S]: target of token t
         local["shift_labels"] = shifted[:, rows]  # [B, L]
         local["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum()
-    if layout != "contiguous" and n > 1:
+    if n > 1:
         local[LAYOUT] = layout
     return local

@@ -286,9 +286,10 @@ def apply_inputs(model, decoder, hooked, group, validate, layout="contiguous", i
     types = getattr(decoder.config, "layer_types", None)
     # a mask of another kind reaches no layer (a hybrid layer's attention: any kind)
     kinds = None if not types or HYBRID in types else frozenset(types)
+    own_mask = ALL_MASK_ATTENTION_FUNCTIONS.get(decoder.config._attn_implementation)  # before the switch
     for module in hooked:
         hook = ModelInputs(
-            module, id(model), group, indexed, validate, layout, positions, chunk, isolates, kinds
+            module, id(model), group, indexed, validate, layout, positions, chunk, isolates, kinds, own_mask
         )
         module.register_forward_pre_hook(hook, with_kwargs=True)
         module.register_forward_hook(hook.done, with_kwargs=True, always_call=True)

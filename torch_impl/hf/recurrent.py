@@ -27,6 +27,7 @@ from torch import nn
 
 from torch_impl import _group
 from torch_impl.halo import gather_halo
+from torch_impl.hf._common import stepping_aside
 from torch_impl.layout import ShardPlan
 from torch_impl.state import gather_state
 
@@ -97,6 +98,8 @@ class ConvHalo:
 
     def __call__(self, x, weight, bias=None, activation=None, seq_idx=None, **kwargs):
         # x: [B, C, L]; weight: [C, K]
+        if stepping_aside():  # an unsharded call: the model's own conv
+            return self.conv(x, weight, bias, activation=activation, seq_idx=seq_idx, **kwargs)
         _check_stateless((), seq_idx)
         n, r, L = _group.world_size(self.group), _group.rank(self.group), x.shape[-1]
         reach = weight.shape[-1] - 1
@@ -116,6 +119,11 @@ class ChunkState:
     def __call__(
         self, query, key, value, g, beta, *args, initial_state=None, output_final_state=False, **kwargs
     ):
+        if stepping_aside():  # an unsharded call: the model's own kernel
+            return self.kernel(
+                query, key, value, g, beta, *args, initial_state=initial_state,
+                output_final_state=output_final_state, **kwargs
+            )  # fmt: skip
         # query, key: [B, L, Hk, dk]; value: [B, L, H, dv]; g: [B, L, H] or [B, L, H, dk]; beta: [B, L, H]
         _check_stateless(args, initial_state, output_final_state, kwargs.get("cu_seqlens"))
         n, r, L = _group.world_size(self.group), _group.rank(self.group), query.shape[1]
@@ -178,6 +186,11 @@ class MambaScan:
         **kwargs,
     ):
         # hidden_states: [B, L, H, P]; dt: [B, L, H]; A: [H]; B, C: [B, L, G, N]
+        if stepping_aside():  # an unsharded call: the model's own scan
+            return self.scan(
+                hidden_states, dt, A, B, C, chunk_size, *args, initial_states=initial_states,
+                dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, **kwargs
+            )  # fmt: skip
         given = [kwargs.pop(k, None) for k in ("return_final_states", "cu_seqlens", "seq_idx")]
         _check_stateless(args, initial_states, *given)
         n, r, L = _group.world_size(self.group), _group.rank(self.group), hidden_states.shape[1]
@@ -226,6 +239,10 @@ class SelectiveScan:
         return_last_state=False, **kwargs,
     ):  # fmt: skip
         # u, dt, z: [batch, D, L]; A: [D, N]; B, C: [batch, N, L]; D, delta_bias: [D]
+        if stepping_aside():  # an unsharded call: the model's own scan
+            return self.scan(
+                u, dt, A, B, C, D, z, delta_bias, delta_softplus, return_last_state, **kwargs
+            )  # fmt: skip
         _check_stateless((), return_last_state, kwargs.get("cu_seqlens"), kwargs.get("seq_idx"))
         n, r, L = _group.world_size(self.group), _group.rank(self.group), u.shape[-1]
         (batch, channels, _), N = u.shape, A.shape[-1]

@@ -6,7 +6,7 @@ import torch
 
 from torch_impl import _group
 from torch_impl.halo import gather_halo
-from torch_impl.hf._common import Arguments
+from torch_impl.hf._common import Arguments, stepping_aside
 from torch_impl.layout import ShardPlan
 
 
@@ -35,6 +35,8 @@ class ShortConvHalo:
         return _local_len(n, r, T, self.halo_size, self.layout)
 
     def before(self, module, args, kwargs):
+        if stepping_aside():  # an unsharded call: the whole sequence is here
+            return None
         x = self.arguments.get(args, kwargs, "hidden_states")  # [B, L, D]
         mask = self.arguments.get(args, kwargs, "attention_mask")  # [B, L] or None
         mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if mask is None else mask.bool()
@@ -46,6 +48,8 @@ class ShortConvHalo:
         )
 
     def after(self, module, args, kwargs, output):
+        if stepping_aside():
+            return None
         kept = [output[:, w.own] for w in self.windows(self.local_len(output.shape[1]))]  # [B, C, D] each
         return kept[0] if len(kept) == 1 else torch.cat(kept, dim=1)  # [B, L, D]
 
