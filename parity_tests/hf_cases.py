@@ -486,3 +486,33 @@ def unsharded_calls(group, name, layout):
     rows = ShardPlan.of(layout, n, r, logits.shape[1]).rows()
     sharded = ((logits - whole[:, rows]).abs().max().item(), whole.abs().max().item())
     return differences, tokens, counter.calls, sharded
+
+
+def sequence_classification(group, family, layout, left):
+    """A *ForSequenceClassification model (pad token 0) under CP against the same model in one
+    process, on rows padded `left` or right: the pooled logits on this rank, the loss summed over
+    the ranks, every parameter's gradient summed over the ranks, and both runs' values."""
+    plain, model = hf_models.build_head("ForSequenceClassification", family), None
+    model = hf_models.build_head("ForSequenceClassification", family)
+    hf.parallelize(model, group, layout=layout, verbose=False)
+    batch = hf_models.make_classification_batch(left=left)
+    out = plain(**batch)
+    out.loss.backward()
+    local = model(**hf.shard_batch(batch, group, layout=layout))
+    local.loss.backward()
+    loss = local.loss.detach().clone()
+    dist.all_reduce(loss, group=group)
+    grads = {}
+    for (key, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        dist.all_reduce(p.grad, group=group)
+        grads[key] = (p.grad, q.grad)
+    return local.logits.detach(), out.logits.detach(), loss, out.loss.detach(), grads
+
+
+def refused_head(group, head):
+    """parallelize's ValueError for a model with the named head class (None if accepted)."""
+    try:
+        hf.parallelize(hf_models.build_head(head), group, verbose=False)
+    except ValueError as e:
+        return str(e)
+    return None

@@ -255,3 +255,30 @@ def make_batch(batch=2, seq_len=SEQ_LEN, pad=5, seed=1, left=False):
         attention_mask[1, slice(0, pad) if left else slice(seq_len - pad, None)] = 0
     labels = input_ids.masked_fill(attention_mask == 0, -100)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def build_head(head, family="llama", pad_token_id=0, seed=0):
+    """A tiny float64 model of `family` (llama; mistral: a window of 14) with the named head class
+    (e.g. "ForSequenceClassification": two labels, pad_token_id as given)."""
+    import transformers as tf
+
+    windows = {"llama": {}, "mistral": {"sliding_window": 14}}
+    classes = {"llama": "Llama", "mistral": "Mistral"}
+    config = getattr(tf, classes[family] + "Config")(
+        **_small_config(num_hidden_layers=2, **windows[family]), num_labels=2, pad_token_id=pad_token_id
+    )
+    torch.manual_seed(seed)
+    return getattr(tf, classes[family] + head)(config).to(torch.float64)
+
+
+def make_classification_batch(left=False, pad_token_id=0, seed=3):
+    """input_ids without the pad token but where padded (row 0 whole, row 1 by 7 tokens, row 2 by
+    20: its last real token on the first of 2 or 4 ranks; `left` padding or right), the mask, and
+    one label per row."""
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, VOCAB, (3, SEQ_LEN), generator=gen)
+    attention_mask = torch.ones_like(input_ids)
+    for row, pad in ((1, 7), (2, 20)):
+        attention_mask[row, slice(0, pad) if left else slice(SEQ_LEN - pad, None)] = 0
+    input_ids = input_ids.masked_fill(attention_mask == 0, pad_token_id)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": torch.tensor([0, 1, 1])}

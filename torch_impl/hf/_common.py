@@ -43,6 +43,18 @@ def stepping_aside():
     return isinstance(RUNNING.context, Aside)
 
 
+MIXED_CLASSES = {}
+
+
+def mix(module, mixin):
+    """The module, its class swapped for `mixin` mixed into its own (its parameters keep their names)."""
+    cls = type(module)
+    if (mixin, cls) not in MIXED_CLASSES:
+        MIXED_CLASSES[mixin, cls] = type(f"CP{cls.__name__}", (mixin, cls), {})
+    module.__class__ = MIXED_CLASSES[mixin, cls]
+    return module
+
+
 class Running:
     """The Context of the parallelized forward that is running (an Aside for an unsharded one; None
     outside one): set by its pre-hook, restored by its forward hook. A plain attribute, which torch.compile traces (it does

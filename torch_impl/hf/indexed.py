@@ -164,18 +164,6 @@ class AbsorbedMLA:
         return kv_nope, k_rot
 
 
-MIXED_CLASSES = {}
-
-
-def mix(module, mixin):
-    """The module, its class swapped for `mixin` mixed into its own (its parameters keep their names)."""
-    cls = type(module)
-    if (mixin, cls) not in MIXED_CLASSES:
-        MIXED_CLASSES[mixin, cls] = type(f"CP{cls.__name__}", (mixin, cls), {})
-    module.__class__ = MIXED_CLASSES[mixin, cls]
-    return module
-
-
 def indexed_attention(module, query, key, value, context, indices=None, scaling=None, s_aux=None, **kwargs):
     """An indexed_attention layer on rank r: its queries over the keys its indexer selected.
 

@@ -299,7 +299,8 @@ def shard_batch(
 
     batch: `input_ids`, optionally `attention_mask` (1: token, 0: padding), `labels` (-100:
     ignored) and `position_ids` (e.g. restarting at every document of a packed row), as the model
-    takes them without CP. Returns the [B, L] shards, `use_cache=False`, and for labels:
+    takes them without CP. Labels of a sequence classification model, one per row ([B] or [B,
+    labels], any float labels), are passed whole, with no shift_labels or count. Returns the [B, L] shards, `use_cache=False`, and for labels:
     `shift_labels`, shifted over the *global* sequence (the last token of shard r predicts the first
     of shard r+1), and `num_items_in_batch`, the global count of valid shifted labels, so that the
     ranks' losses add up to the single-process mean. With data parallelism too, wrap the model
@@ -322,7 +323,17 @@ def shard_batch(
         )
     n, r = _group.world_size(group), _group.rank(group)
     B, S = batch["input_ids"].shape
+    labels = batch.get("labels")
+    # a sequence classification model's: one class per row [B], or float labels [B, labels]
+    per_row = labels is not None and (labels.dim() == 1 or labels.is_floating_point())
+    if per_row and labels.shape[:1] != (B,):
+        raise ValueError(
+            f"`batch['labels']` must be [B, S] = {(B, S)} (a label per token) or start with B = {B} (per "
+            f"row, for a sequence classification model), got {tuple(labels.shape)}"
+        )
     for key, value in batch.items():
+        if key == "labels" and per_row:
+            continue
         if tuple(value.shape) != (B, S):
             raise ValueError(
                 f"`batch[{key!r}]` must be [B, S] = {(B, S)} like input_ids, got {tuple(value.shape)}"
@@ -336,9 +347,9 @@ def shard_batch(
         )
     L = S // n
     rows = ShardPlan.of(layout, n, r, L).rows(batch["input_ids"].device)  # [L]
-    local = {key: value[:, rows] for key, value in batch.items()}  # [B, L] each
+    local = {key: value if key == "labels" and per_row else value[:, rows] for key, value in batch.items()}
     local["use_cache"] = False
-    if "labels" in batch:
+    if "labels" in batch and not per_row:
         shifted = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)  # [B, S]: target of token t
         local["shift_labels"] = shifted[:, rows]  # [B, L]
         local["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum()

@@ -15,10 +15,11 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from torch_impl import _group
-from torch_impl.hf._common import IMPLEMENTATION, INDEXED
+from torch_impl.hf._common import IMPLEMENTATION, INDEXED, mix
 from torch_impl.hf.attention import AttentionSetup, temperature_scale
 from torch_impl.hf.documents import isolates_documents
-from torch_impl.hf.indexed import AbsorbedMLA, BlockedIndexer, mix
+from torch_impl.hf.heads import apply_head, check_head
+from torch_impl.hf.indexed import AbsorbedMLA, BlockedIndexer
 from torch_impl.hf.inputs import MaskCountPositions, ModelInputs, PaddingIndexPositions, Positions
 from torch_impl.hf.recurrent import KERNELS, apply_recurrent, kernel_of
 from torch_impl.hf.short_conv import ShortConvHalo
@@ -355,6 +356,9 @@ def parallelize(
     decoder = _decoder(model)
     if decoder.config._attn_implementation == IMPLEMENTATION:
         raise _refuse("", model, "is already context-parallel")
+    head = check_head(model)
+    if head is not None:
+        raise _refuse("", model, head)
     attentions, convs, linear = _layers(model, decoder, group, layout, dense)
     hooked = _hooked(model, decoder, attention=bool(attentions))
     apply_inputs(model, decoder, hooked, group, validate, layout, isolate_documents)
@@ -362,6 +366,7 @@ def parallelize(
         apply_attention(decoder, attentions)
         | apply_short_conv(convs, group, layout)
         | apply_linear_attention(linear, group, layout)
+        | apply_head(model, group, layout)
     )
     model.cp_transport_paths = paths
     summary = (

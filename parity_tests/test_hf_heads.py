@@ -1,0 +1,42 @@
+"""Heads that read one position of a row under CP: *ForSequenceClassification (reward models)
+pooled at the row's last real token as one process pools, on every rank; other heads refused."""
+
+import pytest
+import torch
+
+from parity_tests import hf_cases
+
+EPS = 2.0**-52
+
+
+@pytest.mark.parametrize(
+    "family,layout,left,grouping",
+    [
+        ("llama", "contiguous", False, ("block", 2)),
+        ("llama", "head_tail", True, ("block", 2)),
+        ("mistral", "contiguous", True, ("block", 4)),
+        ("mistral", "head_tail", False, ("block", 4)),
+    ],
+)
+def test_sequence_classification_pools_as_one_process(pool, family, layout, left, grouping):
+    """Rows padded right or left (row 2's last real token on the first of 2 or 4 ranks under
+    contiguous; the model's rule: the last token that is not its pad token): every rank's pooled
+    logits are one process's, the ranks' losses and gradients add up to one process's. float64;
+    the bound: the attention and the layers summed in another order, a few hundred roundings of
+    the largest value involved."""
+    for group_results in pool.run(grouping, hf_cases.sequence_classification, family, layout, left):
+        for logits, want, loss, want_loss, grads in group_results:
+            assert logits.shape == want.shape == (3, 2) and logits.dtype == torch.float64
+            scale = want.abs().max()
+            assert (logits - want).abs().max() <= 1000 * EPS * scale, (logits, want)
+            assert abs(loss - want_loss) <= 1000 * EPS * abs(want_loss)
+            for key, (got, expected) in grads.items():
+                assert (got - expected).abs().max() <= 1e4 * EPS * max(expected.abs().max(), 1e-6), key
+
+
+@pytest.mark.parametrize("head", ["ForTokenClassification", "ForQuestionAnswering"])
+def test_other_heads_are_refused_at_parallelize(pool, head):
+    for group_results in pool.run(("block", 2), hf_cases.refused_head, head):
+        for message in group_results:
+            assert message is not None and "has a head that is not a causal LM's" in message, message
+            assert f"Llama{head}" in message
