@@ -211,7 +211,10 @@ def unsupported_call(group, name, state, batch, call):
             kwargs["past_key_values"] = cache
     elif call == "4d_mask":
         L = local["input_ids"].shape[1]
-        kwargs = mark | {"input_ids": local["input_ids"], "attention_mask": torch.ones(2, 1, L, L, dtype=torch.bool)}
+        kwargs = mark | {
+            "input_ids": local["input_ids"],
+            "attention_mask": torch.ones(2, 1, L, L, dtype=torch.bool),
+        }
     try:  # parallelize's cross-rank check is on by default: ranks whose own inputs look right raise too
         model(**kwargs)
         return None

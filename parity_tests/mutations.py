@@ -29,6 +29,34 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = [
+    Mutation(  # a row's sum left local: each rank's partial sum taken for the row's
+        "row_sum_left_local",
+        "torch_impl/reductions.py",
+        "return partial if _group.world_size(group) == 1 else _SumOverRanks.apply(partial, group)",
+        "return partial",
+        ("parity_tests/test_reductions.py", "-k", "parity", "-x"),
+    ),
+    Mutation(  # the pooled position found from the local shard: each rank's own last real token
+        "pooled_position_from_the_local_shard",
+        "torch_impl/reductions.py",
+        "return found if _group.world_size(group) == 1 else _all_reduce(found, group, dist.ReduceOp.MAX)",
+        "return found",
+        ("parity_tests/test_hf_heads.py", "-x"),
+    ),
+    Mutation(  # the pooled token read at its local row on every rank, not at its global one
+        "pooled_token_read_on_the_wrong_rank",
+        "torch_impl/reductions.py",
+        "owned = _positions(x, group, layout)[None] == position[:, None]",
+        "owned = torch.arange(x.shape[1], device=x.device)[None] == position[:, None] % x.shape[1]",
+        ("parity_tests/test_reductions.py", "-k", "parity", "-x"),
+    ),
+    Mutation(  # a reduction whose backward multiplies by the CP size
+        "reduction_backward_times_cp_size",
+        "torch_impl/reductions.py",
+        "return _all_reduce(grad, ctx.group), None",
+        "return _all_reduce(grad, ctx.group) * dist.get_world_size(ctx.group), None",
+        ("parity_tests/test_reductions.py", "-k", "parity", "-x"),
+    ),
     Mutation(  # a sequence whose last strip is partial loses it
         "reverse_blocks_skips_a_partial_strip",
         "torch_impl/sequence.py",

@@ -40,3 +40,22 @@ def test_other_heads_are_refused_at_parallelize(pool, head):
         for message in group_results:
             assert message is not None and "has a head that is not a causal LM's" in message, message
             assert f"Llama{head}" in message
+
+
+@pytest.mark.parametrize("name", ["DPOTrainer", "KTOTrainer", "RewardTrainer", "GRPOTrainer", "RLOOTrainer"])
+def test_trl_trainers_whose_loss_is_not_a_token_mean_are_refused_in_init(name):
+    """ContextParallelMixin refuses them before the trainer sets anything up, naming the trainer
+    (a subclass of one too); SFTTrainer and transformers' Trainer pass."""
+    import transformers
+    import trl
+
+    from torch_impl import hf
+    from torch_impl.hf.trainer import check_trainer
+
+    mixed = type("CPTrainer", (hf.ContextParallelMixin, getattr(trl, name)), {})
+    with pytest.raises(ValueError, match=f"TRL's {name} is not supported: its loss"):
+        mixed(model=None, cp_size=2)
+    with pytest.raises(ValueError, match=f"TRL's {name} is not supported"):
+        check_trainer(type("Mine", (mixed,), {}))
+    for cls in (trl.SFTTrainer, transformers.Trainer):
+        check_trainer(type("CPTrainer", (hf.ContextParallelMixin, cls), {}))

@@ -271,7 +271,8 @@ def test_shard_batch_requires_divisible_length(pool):
 
 def test_without_cp_the_model_is_bit_for_bit_unchanged(pool):
     """parallelize leaves the model untouched at n = 1, and shard_batch gives the same keys as on
-    n ranks, whole: the same logits, loss and gradients, bit for bit, as the model given them."""
+    n ranks (but the mark of a shard), whole: the same logits, loss and gradients, bit for bit, as
+    the model given them."""
     state, batch, *_ = reference("gemma3", "float64")
     model, local = hf_models.build("gemma3"), hf.shard_batch(batch, None)
     assert hf.parallelize(model, None) is model and model.config._attn_implementation == "sdpa"
@@ -289,7 +290,7 @@ def test_without_cp_the_model_is_bit_for_bit_unchanged(pool):
         assert torch.equal(logits, out.logits) and torch.equal(loss, out.loss)
         assert all(torch.equal(grads[k], p.grad) for k, p in model.named_parameters())
     for group_results in pool.run(("block", 2), hf_cases.local_keys, batch):
-        assert group_results == [sorted(local)] * 2
+        assert group_results == [sorted([*local, "cp_layout"])] * 2  # and the mark of a shard
 
 
 def test_another_model_in_the_process_is_unaffected(pool):
@@ -341,7 +342,14 @@ def test_host_reads_per_forward(pool, name, packed, validate, sites):
 
 
 @pytest.mark.parametrize(
-    "name,layout", [("llama", "contiguous"), ("gemma3", "head_tail"), ("qwen3_5", "contiguous"), ("lfm2", "head_tail"), ("bamba", "contiguous")]
+    "name,layout",
+    [
+        ("llama", "contiguous"),
+        ("gemma3", "head_tail"),
+        ("qwen3_5", "contiguous"),
+        ("lfm2", "head_tail"),
+        ("bamba", "contiguous"),
+    ],
 )
 def test_unsharded_calls_run_as_one_process(pool, name, layout):
     """A call that shard_batch did not make (the whole batch on every rank: a quick forward,
@@ -350,7 +358,9 @@ def test_unsharded_calls_run_as_one_process(pool, name, layout):
     for group_results in pool.run(("block", 2), hf_cases.unsharded_calls, name, layout):
         for differences, tokens, calls, (sharded, largest) in group_results:
             assert differences == {"logits": 0.0, "loss": 0.0, "grads": 0.0}, differences
-            assert tokens["cp", True] == tokens["plain", True] and tokens["cp", False] == tokens["plain", False]
+            assert (
+                tokens["cp", True] == tokens["plain", True] and tokens["cp", False] == tokens["plain", False]
+            )
             assert tokens["plain", True] == tokens["plain", False]  # the cache changes nothing
             assert calls == 0
             assert sharded <= 1e-12 * largest, (sharded, largest)  # float64, summed in another order

@@ -39,7 +39,9 @@ def test_jax_reference_worked_example():
         total, last, picked = run(x, mask)
         cotangent = jax.device_put(jnp.array([[2.0], [5.0]]), NamedSharding(mesh, P("cp")))  # per device
         (grad,) = jax.vjp(lambda x: run(x, mask)[0], x)[1](cotangent)
-    assert total.tolist() == [[5.0], [5.0]] and last.tolist() == [[2], [2]] and picked.tolist() == [[3.0], [3.0]]
+    assert (
+        total.tolist() == [[5.0], [5.0]] and last.tolist() == [[2], [2]] and picked.tolist() == [[3.0], [3.0]]
+    )
     assert grad.tolist() == [[0.0, 7.0, 7.0, 0.0]]  # g = 2 + 5 at the tokens that counted
 
 
@@ -65,7 +67,12 @@ def test_reductions_parity(pool, n, layout):
     select_position is exact (a value plus zeros). Every rank receives bytes per row, whatever L."""
     B, L, trailing = 3, 4, (2,)
     S, rng, configs, cases = n * L, np.random.default_rng(10 * n + len(layout)), [], []
-    for kind, dtype in (("integer", "float64"), ("integer", "float32"), ("normal", "float32"), ("normal", "float64")):
+    for kind, dtype in (
+        ("integer", "float64"),
+        ("integer", "float32"),
+        ("normal", "float32"),
+        ("normal", "float64"),
+    ):
         x = expected.stamped((B, S, *trailing), np.int64).astype(np.float64) * rng.choice([-1, 1], (B, S, 1))
         if kind == "normal":
             x = round_to(rng.standard_normal((B, S, *trailing)), dtype)
@@ -113,14 +120,19 @@ def test_reductions_parity(pool, n, layout):
                 mine = expected.device_order(want[3], n, layout)[:, r * L : (r + 1) * L]
                 assert np.all(np.abs(as_numpy(res["grad"]) - mine) <= np.max(grad_bound)), where
                 assert not res["mutated"], where
-                wanted = {} if n == 1 else {"forward": 2 * moved + 2 * (n - 1) * B * 8 // n, "backward": 2 * moved}
+                wanted = (
+                    {} if n == 1 else {"forward": 2 * moved + 2 * (n - 1) * B * 8 // n, "backward": 2 * moved}
+                )
                 assert res["received"] == wanted, (where, res["received"], wanted)
 
 
 BAD = [  # (function, x shape, x dtype, mask / position / layout, validate), what the message says
     (("sum_sequence", (2, 4), "bool", None, None), "must hold numbers"),
     (("sum_sequence", (2, 4, 3), "float32", np.ones((2, 3), bool), None), "`mask` must be a bool tensor"),
-    (("select_position", (2, 4), "float32", np.zeros(3, np.int64), None), r"`position` must be an integer tensor \[batch\]"),
+    (
+        ("select_position", (2, 4), "float32", np.zeros(3, np.int64), None),
+        r"`position` must be an integer tensor \[batch\]",
+    ),
     (("select_position", (2, 4), "float32", np.zeros(2), None), "`position` must be an integer"),
     (("last_position", (2, 4), "float32", "contiguous", None), "`mask` must be a bool tensor"),
     (("last_position", (2, 3), "bool", "head_tail", None), "needs an even local_sequence"),

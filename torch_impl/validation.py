@@ -111,7 +111,8 @@ def check_reduction(function, x, mask=None, position=None):
     ):
         raise ValueError(
             f"`position` must be an integer tensor [batch] = [{x.shape[0]}] (a global position per row), "
-            f"got {getattr(position, 'dtype', type(position).__name__)} {tuple(getattr(position, 'shape', ()))}"
+            f"got {getattr(position, 'dtype', type(position).__name__)} "
+            f"{tuple(getattr(position, 'shape', ()))}"
         )
 
 
@@ -141,9 +142,7 @@ def enabled(validate):
     return bool(validate)
 
 
-def check(
-    function, group, validate, x, halo_size=None, left_padding=None, layout="contiguous", **reduction
-):
+def check(function, group, validate, x, halo_size=None, left_padding=None, layout="contiguous", **reduction):
     """The local checks, preceded, when validation is on and there is CP, by the cross-rank one.
     `reduction`: the reductions' mask or position (check_reduction)."""
     n = _group.world_size(group)

@@ -57,8 +57,8 @@ def mix(module, mixin):
 
 class Running:
     """The Context of the parallelized forward that is running (an Aside for an unsharded one; None
-    outside one): set by its pre-hook, restored by its forward hook. A plain attribute, which torch.compile traces (it does
-    not trace a ContextVar)."""
+    outside one): set by its pre-hook, restored by its forward hook. A plain attribute, which
+    torch.compile traces (it does not trace a ContextVar)."""
 
     context = None
 

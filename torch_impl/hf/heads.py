@@ -94,7 +94,9 @@ class PooledClassification:
         pooled = select_position(logits, position, group, layout=layout)  # [B, labels]
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, pooled_logits=pooled, config=self.config) / n
+            loss = (
+                self.loss_function(logits=logits, labels=labels, pooled_logits=pooled, config=self.config) / n
+            )
         return SequenceClassifierOutputWithPast(
             loss=loss,
             logits=pooled,

@@ -295,12 +295,14 @@ def _creates_cache(module, argument):
 def shard_batch(
     batch: Mapping[str, torch.Tensor], group: _group.Group, *, layout: str = "contiguous"
 ) -> dict:
-    """This rank's model kwargs from a global batch of [B, S] tensors; the same keys for every n.
+    """This rank's model kwargs from a global batch of [B, S] tensors; the same keys for every n
+    (and with n > 1 the mark of a shard, `cp_layout`).
 
     batch: `input_ids`, optionally `attention_mask` (1: token, 0: padding), `labels` (-100:
     ignored) and `position_ids` (e.g. restarting at every document of a packed row), as the model
     takes them without CP. Labels of a sequence classification model, one per row ([B] or [B,
-    labels], any float labels), are passed whole, with no shift_labels or count. Returns the [B, L] shards, `use_cache=False`, and for labels:
+    labels], any float labels), are passed whole, with no shift_labels or count.
+    Returns the [B, L] shards, `use_cache=False`, and for labels:
     `shift_labels`, shifted over the *global* sequence (the last token of shard r predicts the first
     of shard r+1), and `num_items_in_batch`, the global count of valid shifted labels, so that the
     ranks' losses add up to the single-process mean. With data parallelism too, wrap the model

@@ -34,6 +34,29 @@ from torch_impl.layout import check as check_layout
 
 # keys TRL's padding-free collator adds for flash-attention kernels: position_ids carry the same
 DROPPED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+# TRL's trainers whose loss is not a token mean, and what in it CP would compute from a shard alone
+NOT_A_TOKEN_MEAN = {
+    "DPOTrainer": "sums each row's log-probs over its completion",
+    "KTOTrainer": "sums each row's log-probs over its completion",
+    "RewardTrainer": "reads each row's reward at its last real token",
+    "GRPOTrainer": "generates its rows, then normalises its loss per sequence",
+    "RLOOTrainer": "generates its rows, then normalises its loss per sequence",
+}
+
+
+def check_trainer(cls):
+    """ValueError naming the trainer when `cls` (the class mixed with ContextParallelMixin) is one
+    of TRL's trainers other than SFTTrainer: transformers' Trainer and TRL's SFTTrainer, whose loss
+    is a token mean, are the ones the mixin makes exact."""
+    trl = next((base for base in cls.__mro__ if base.__module__.startswith("trl.trainer.")), None)
+    if trl is None or trl.__name__ == "SFTTrainer":
+        return
+    why = NOT_A_TOKEN_MEAN.get(trl.__name__, "has a loss the mixin was not made exact for")
+    raise ValueError(
+        f"ContextParallelMixin: TRL's {trl.__name__} is not supported: its loss {why}, which each CP "
+        "rank would compute from its own shard of the row; supported: transformers' Trainer and TRL's "
+        "SFTTrainer (a reward model's forward is exact under hf.parallelize: *ForSequenceClassification)"
+    )
 
 
 def _keep_collectives_in_checkpoints(model):
@@ -79,6 +102,7 @@ class ContextParallelMixin:
         if not isinstance(cp_size, int) or cp_size < 1:
             raise ValueError(f"`cp_size` must be a positive int (CP ranks per replica), got {cp_size!r}")
         check_layout(cp_layout)
+        check_trainer(type(self))  # before the trainer sets anything up
         super().__init__(*args, **kwargs)
         world = self.accelerator.num_processes
         if world % cp_size:
