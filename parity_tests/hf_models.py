@@ -257,15 +257,17 @@ def make_batch(batch=2, seq_len=SEQ_LEN, pad=5, seed=1, left=False):
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-def build_head(head, family="llama", pad_token_id=0, seed=0):
+def build_head(head, family="llama", pad_token_id=0, seed=0, num_labels=2):
     """A tiny float64 model of `family` (llama; mistral: a window of 14) with the named head class
-    (e.g. "ForSequenceClassification": two labels, pad_token_id as given)."""
+    (e.g. "ForSequenceClassification"), num_labels and pad_token_id as given."""
     import transformers as tf
 
     windows = {"llama": {}, "mistral": {"sliding_window": 14}}
     classes = {"llama": "Llama", "mistral": "Mistral"}
     config = getattr(tf, classes[family] + "Config")(
-        **_small_config(num_hidden_layers=2, **windows[family]), num_labels=2, pad_token_id=pad_token_id
+        **_small_config(num_hidden_layers=2, **windows[family]),
+        num_labels=num_labels,
+        pad_token_id=pad_token_id,
     )
     torch.manual_seed(seed)
     return getattr(tf, classes[family] + head)(config).to(torch.float64)

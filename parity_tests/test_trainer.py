@@ -1,13 +1,16 @@
-"""hf.ContextParallelMixin: transformers' Trainer and TRL's SFTTrainer over dp x cp processes equal
-the same trainer over dp processes without CP (parity_tests/trainer_jobs.py: float64 models,
-dropout 0, SGD at learning rate 0.5, gradient accumulation 2, 3 steps, then evaluate()).
+"""hf.ContextParallelMixin: transformers' Trainer, TRL's SFTTrainer and RewardTrainer over dp x cp
+processes equal the same trainer over dp processes without CP (parity_tests/trainer_jobs.py:
+float64 models, dropout 0, SGD at learning rate 0.5, gradient accumulation 2, 3 steps, then
+evaluate()).
 
 Four torchrun launches, two at a time: cp 2 (2 processes) against one process, every case (Trainer
 on padded rows of 13 to 31 tokens: Gemma 3, Mistral under head_tail, LFM2, Qwen3.5 (Gated DeltaNet)
 under head_tail, Gemma 3 under FSDP2, with LoRA, and streamed from an IterableDataset; SFTTrainer
 with packing: Gemma 3 and GPT-OSS (head_tail) on prompt-completion pairs, the loss on completions
 only, Mistral on text, Gemma 3 with TRL's defaults, bf16 autocast and activation checkpointing, in
-float64 and float32), both recipes, resume from a checkpoint (DDP and FSDP2) and the refusals; and
+float64 and float32; RewardTrainer on chosen / rejected pairs: Llama, Mistral under head_tail with
+centred rewards, with LoRA, under FSDP2 and with TRL's defaults, every metric it logs compared),
+both recipes, resume from a checkpoint (DDP and FSDP2) and the refusals; and
 dp 2 x cp 2 (4 processes) against dp 2, DP_CASES and the refusals. The models are float64, but
 transformers rounds their norms, and the logged loss, through float32: the logged loss and eval_loss
 are float32 sums over a step's tokens (at most STEP_TOKENS), taken in another order on each side,
@@ -31,6 +34,7 @@ DP_CASES = (
     "sft_gemma3_packed_completion",
     "sft_gpt_oss_packed_head_tail",
     "trainer_gemma3_lora",
+    "reward_llama",
 )
 COMPARED = [("cp2", "one", case) for case in trainer_jobs.CASES] + [("dp2cp2", "dp2", c) for c in DP_CASES]
 
@@ -71,6 +75,8 @@ def test_the_trainer_over_cp_equals_it_without(runs, launch, reference, case):
         bounds.check(
             abs(g["grad_norm"] - w["grad_norm"]), 1e-5 * w["grad_norm"], f"step {w['step']} grad_norm"
         )
+    if trainer_jobs.CASES[case][0] == "reward":
+        reward_metrics(got, want)
     loss_bound = 2 * STEP_TOKENS * U32 * want["eval_loss"]
     bounds.check(abs(got["eval_loss"] - want["eval_loss"]), loss_bound, "eval_loss")
     start = trainer_jobs.initial_params(case)
@@ -78,6 +84,17 @@ def test_the_trainer_over_cp_equals_it_without(runs, launch, reference, case):
         change = w - start[key]
         apart = (got["params"][key] - w).abs().max()
         bounds.check(apart, 1e-5 * change.abs().max().item() + 1e-14, f"{key} after 3 steps")
+
+
+def reward_metrics(got, want):
+    """RewardTrainer: every metric it logs in training and evaluate() (num_tokens, min, mean and max
+    reward, accuracy, margin)
+    equal within float64 roundings taken in another order (a reward's attention and sums over the
+    rows gathered from every process): 1e-12 of the larger of the value and 1."""
+    for g, w in [*zip(got["log"], want["log"], strict=True), (got["eval"], want["eval"])]:
+        assert g.keys() == w.keys(), (g.keys(), w.keys())
+        for key in w.keys() - {"loss", "grad_norm", "learning_rate", "epoch", "step"}:
+            bounds.check(abs(g[key] - w[key]), 1e-12 * max(abs(w[key]), 1.0), f"step {w.get('step')} {key}")
 
 
 def within_bfloat16(got, want, case):

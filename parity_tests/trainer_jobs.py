@@ -15,7 +15,7 @@ from datasets import Dataset
 import torch
 import torch.distributed as dist
 import transformers as tf
-from trl import SFTTrainer
+from trl import RewardConfig, RewardTrainer, SFTTrainer
 
 from examples.recipes import sft, trainer, trainer_data
 from parity_tests import hf_models
@@ -55,6 +55,19 @@ CASES = {
     # rows streamed from an IterableDataset, each process reading its own (dispatch_batches=False);
     # evaluated on rows labelled on their last 3 tokens only: rank 0's half holds no label
     "trainer_gemma3_iterable": ("trainer", "gemma3", "contiguous", {"iterable": True, "eval": "long"}),
+    # a reward model (LlamaForSequenceClassification, one label) on chosen / rejected pairs padded
+    # on the right: its reward read at each row's last real token, which one CP rank holds
+    "reward_llama": ("reward", "llama", "contiguous", {}),
+    "reward_mistral_head_tail": (
+        "reward",
+        "mistral",
+        "head_tail",
+        {"args": {"center_rewards_coefficient": 0.1}},
+    ),
+    "reward_llama_lora": ("reward", "llama", "contiguous", {"lora": True}),
+    "reward_llama_fsdp2": ("reward", "llama", "contiguous", {"fsdp": True}),
+    # TRL's defaults: bf16 autocast (which leaves float64 as it is) and activation checkpointing
+    "reward_llama_trl_defaults": ("reward", "llama", "head_tail", {"args": {"bf16": None}}),
 }
 STREAMED = {"accelerator_config": {"dispatch_batches": False}}
 
@@ -109,22 +122,26 @@ FSDP2 = {"fsdp": True, "fsdp_config": {"fsdp_version": 2, "state_dict_type": "SH
 
 def classes(kind, fsdp=False):
     """(the plain trainer class, its CP version), both recording their rows (under FSDP2)."""
-    base = tf.Trainer if kind == "trainer" else SFTTrainer
+    base = {"trainer": tf.Trainer, "sft": SFTTrainer, "reward": RewardTrainer}[kind]
     extra = (FSDP2OnCPU,) if fsdp else ()
     return type("Plain", (Rows, *extra, base), {}), type(
         "CP", (Rows, hf.ContextParallelMixin, *extra, base), {}
     )
 
 
-def model_of(name, extra):
+def model_of(kind, name, extra):
     """The case's model: hf_models' seeded weights (the same on every rank), a PEFT LoRA model of
     it where the case asks."""
-    model = hf_models.build(name, getattr(torch, extra.get("dtype", "float64")))
+    if kind == "reward":
+        model = hf_models.build_head("ForSequenceClassification", name, num_labels=1)
+    else:
+        model = hf_models.build(name, getattr(torch, extra.get("dtype", "float64")))
     model.config.pad_token_id = 0
     if extra.get("lora"):
         import peft
 
-        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, lora_dropout=0.0)
+        task = {"task_type": "SEQ_CLS"} if kind == "reward" else {}  # the score head trains too
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, lora_dropout=0.0, **task)
         model = peft.get_peft_model(model, config)  # A drawn from the seeded generator, B zero
     return model
 
@@ -135,7 +152,7 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 def build(kind, name, layout, extra, cp_size, output_dir, **overrides):
     """The case's trainer (not trained yet)."""
     plain, cp = classes(kind, extra.get("fsdp", False))
-    model = model_of(name, extra)
+    model = model_of(kind, name, extra)
     received = set()  # every keyword the model's forward is given
     model.register_forward_pre_hook(lambda module, args, kw: received.update(kw), with_kwargs=True)
     kwargs = {} if cp_size == 1 else {"cp_size": cp_size, "cp_layout": layout}
@@ -155,6 +172,18 @@ def build(kind, name, layout, extra, cp_size, output_dir, **overrides):
             eval_dataset=evaluated,
             data_collator=trainer_data.pad_rows,
         )
+    elif kind == "reward":  # chosen / rejected completions of 2 to 30 words after a shared prompt
+        args = RewardConfig(
+            output_dir, **trainer.TRAINING | {"bf16": False, "dataset_num_proc": None} | overrides
+        )
+        data = {"processing_class": trainer_data.tokenizer()}
+        for split, (n, seed) in {"train_dataset": (48, 0), "eval_dataset": (8, 1)}.items():
+            prompts = trainer_data.sentences(n, 3, 6, seed)
+            chosen, rejected = (trainer_data.sentences(n, 2, 30, seed + k) for k in (100, 200))
+            data[split] = Dataset.from_dict(
+                {"chosen": [p + " " + c for p, c in zip(prompts, chosen, strict=True)],
+                 "rejected": [p + " " + r for p, r in zip(prompts, rejected, strict=True)]}
+            )  # fmt: skip
     else:
         if name == "gpt_oss":  # TRL's default adds the router's loss, per rank not exact: refused
             overrides = {"router_aux_loss_coef": 0.0} | overrides
@@ -179,14 +208,17 @@ def build(kind, name, layout, extra, cp_size, output_dir, **overrides):
 
 def initial_params(case):
     """The case's model's parameters before training (hf_models' seeded weights)."""
-    return {k: p.detach() for k, p in model_of(CASES[case][1], CASES[case][3]).named_parameters()}
+    kind, name, _, extra = CASES[case]
+    return {k: p.detach() for k, p in model_of(kind, name, extra).named_parameters()}
 
 
 def run(name, cp_size, output_dir):
     kind, model, layout, extra = CASES[name]
     t = build(kind, model, layout, extra, cp_size, output_dir)
     t.train()
-    result = {"log": [h for h in t.state.log_history if "loss" in h], "eval_loss": t.evaluate()["eval_loss"]}
+    evaluated = {k: v for k, v in t.evaluate().items() if not k.endswith(("_runtime", "_per_second"))}
+    result = {"log": [h for h in t.state.log_history if "loss" in h], "eval": evaluated}
+    result["eval_loss"] = evaluated["eval_loss"]
     result["params"] = params(t.model)
     if extra.get("lora") and not extra.get("fsdp"):  # the saved adapter, loaded into the plain model
         import peft
@@ -194,7 +226,7 @@ def run(name, cp_size, output_dir):
         t.save_model(os.path.join(output_dir, "adapter"))
         if dist.is_initialized():
             dist.barrier()
-        plain = peft.PeftModel.from_pretrained(hf_models.build(model), os.path.join(output_dir, "adapter"))
+        plain = peft.PeftModel.from_pretrained(model_of(kind, model, {}), os.path.join(output_dir, "adapter"))
         trained, loaded = t.model.state_dict(), plain.state_dict()
         result["adapter"] = {k: torch.equal(loaded[k], v) for k, v in trained.items() if "lora_" in k}
     result["rows"] = gathered(t.rows)

@@ -38,24 +38,33 @@ DROPPED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"
 NOT_A_TOKEN_MEAN = {
     "DPOTrainer": "sums each row's log-probs over its completion",
     "KTOTrainer": "sums each row's log-probs over its completion",
-    "RewardTrainer": "reads each row's reward at its last real token",
     "GRPOTrainer": "generates its rows, then normalises its loss per sequence",
     "RLOOTrainer": "generates its rows, then normalises its loss per sequence",
 }
+
+
+# TRL's trainers whose loss is a function of values per row that every CP rank holds whole (a
+# reward model's pooled logits, torch_impl.hf.heads): each CP rank computes the replica's loss
+ROW_LOSSES = ("RewardTrainer",)
+
+
+def _trl_trainer(cls):
+    """The TRL trainer class `cls` derives from, or None."""
+    return next((base for base in cls.__mro__ if base.__module__.startswith("trl.trainer.")), None)
 
 
 def check_trainer(cls):
     """ValueError naming the trainer when `cls` (the class mixed with ContextParallelMixin) is one
     of TRL's trainers other than SFTTrainer: transformers' Trainer and TRL's SFTTrainer, whose loss
     is a token mean, are the ones the mixin makes exact."""
-    trl = next((base for base in cls.__mro__ if base.__module__.startswith("trl.trainer.")), None)
-    if trl is None or trl.__name__ == "SFTTrainer":
+    trl = _trl_trainer(cls)
+    if trl is None or trl.__name__ in ("SFTTrainer", *ROW_LOSSES):
         return
     why = NOT_A_TOKEN_MEAN.get(trl.__name__, "has a loss the mixin was not made exact for")
     raise ValueError(
         f"ContextParallelMixin: TRL's {trl.__name__} is not supported: its loss {why}, which each CP "
         "rank would compute from its own shard of the row; supported: transformers' Trainer and TRL's "
-        "SFTTrainer (a reward model's forward is exact under hf.parallelize: *ForSequenceClassification)"
+        f"SFTTrainer and {', '.join(ROW_LOSSES)}"
     )
 
 
@@ -109,8 +118,10 @@ class ContextParallelMixin:
             raise ValueError(
                 f"`cp_size` ({cp_size}) must divide the number of processes ({world}): the world is dp x cp"
             )
-        self._refuse_inexact()
+        self._refuse_inexact(type(self))
         self.cp_size, self.cp_layout = cp_size, cp_layout
+        trl = _trl_trainer(type(self))
+        self.cp_row_loss = trl is not None and trl.__name__ in ROW_LOSSES
         self.dp_size, self.dp_index = world // cp_size, self.accelerator.process_index // cp_size
         self.cp_group = None
         if cp_size > 1:
@@ -121,7 +132,7 @@ class ContextParallelMixin:
         parallelize(model, self.cp_group, layout=cp_layout)
         _keep_collectives_in_checkpoints(self.model)
 
-    def _refuse_inexact(self):
+    def _refuse_inexact(self, cls):
         """ValueError for what would not equal the dp-only run (the same on every rank)."""
         config = getattr(self.accelerator, "parallelism_config", None)
         for what in ("cp", "sp", "tp"):
@@ -164,6 +175,9 @@ class ContextParallelMixin:
                 "load-balancing statistic of its slice's tokens, not of the sequence's: set "
                 "router_aux_loss_coef=0.0 (SFTConfig, or the model config with output_router_logits)"
             )
+        trl = _trl_trainer(cls)
+        if trl is not None and trl.__name__ in ROW_LOSSES:  # its loss reads the model's pooled logits
+            return
         if not self.model_accepts_loss_kwargs:
             raise ValueError(
                 "ContextParallelMixin: the model's forward takes no `num_items_in_batch`, so each CP "
@@ -208,7 +222,7 @@ class ContextParallelMixin:
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         local = self.shard(inputs)
-        if self.cp_size == 1:
+        if self.cp_size == 1 or self.cp_row_loss:  # the replica's loss on every CP rank
             return super().compute_loss(model, local, return_outputs, num_items_in_batch)
         if model.training:
             if num_items_in_batch is None:  # each rank's loss would be its own slice's mean
