@@ -42,10 +42,10 @@ def test_other_heads_are_refused_at_parallelize(pool, head):
             assert f"Llama{head}" in message
 
 
-@pytest.mark.parametrize("name", ["DPOTrainer", "KTOTrainer", "RewardTrainer", "GRPOTrainer", "RLOOTrainer"])
+@pytest.mark.parametrize("name", ["DPOTrainer", "KTOTrainer", "GRPOTrainer", "RLOOTrainer"])
 def test_trl_trainers_whose_loss_is_not_a_token_mean_are_refused_in_init(name):
     """ContextParallelMixin refuses them before the trainer sets anything up, naming the trainer
-    (a subclass of one too); SFTTrainer and transformers' Trainer pass."""
+    (a subclass of one too); SFTTrainer, RewardTrainer and transformers' Trainer pass."""
     import transformers
     import trl
 
@@ -57,5 +57,5 @@ def test_trl_trainers_whose_loss_is_not_a_token_mean_are_refused_in_init(name):
         mixed(model=None, cp_size=2)
     with pytest.raises(ValueError, match=f"TRL's {name} is not supported"):
         check_trainer(type("Mine", (mixed,), {}))
-    for cls in (trl.SFTTrainer, transformers.Trainer):
+    for cls in (trl.SFTTrainer, trl.RewardTrainer, transformers.Trainer):
         check_trainer(type("CPTrainer", (hf.ContextParallelMixin, cls), {}))

@@ -284,6 +284,9 @@ def test_public_names():
         "gather_sequence",
         "gather_state",
         "halo_plan",
+        "last_position",
+        "select_position",
+        "sum_sequence",
     ]
     from torch_impl import _GatherHalo, _GatherSequence, attention, hf
 
