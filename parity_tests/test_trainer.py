@@ -184,6 +184,10 @@ def test_what_cannot_be_exact_is_refused_on_every_rank(runs, launch):
         assert "`compute_metrics` is not supported" in rank["compute_metrics"]
         assert "router's auxiliary loss would be each CP rank's own" in rank["router_aux_loss"]
         assert "pass accelerator_config={'dispatch_batches': False}" in rank["dispatch_batches"]
+        assert (
+            "LlamaForSequenceClassification: a sequence classification loss"
+            in rank["sequence_classification"]
+        )
 
 
 @pytest.mark.parametrize("recipe", ["examples.recipes.trainer", "examples.recipes.sft"])

@@ -298,6 +298,12 @@ def refusals(output_dir):
         said["dispatch_batches"] = None
     except ValueError as e:
         said["dispatch_batches"] = str(e)
+    try:  # a sequence classification model under transformers' Trainer (RewardTrainer's loss only)
+        model = hf_models.build_head("ForSequenceClassification")
+        classes("trainer")[1](model=model, args=trainer.training_args(output_dir), cp_size=world)
+        said["sequence_classification"] = None
+    except ValueError as e:
+        said["sequence_classification"] = str(e)
     try:  # GPT-OSS under SFTTrainer's default: the router's auxiliary loss
         build("sft", "gpt_oss", "contiguous", {}, world, output_dir, router_aux_loss_coef=0.001)
         said["router_aux_loss"] = None

@@ -178,6 +178,14 @@ class ContextParallelMixin:
         trl = _trl_trainer(cls)
         if trl is not None and trl.__name__ in ROW_LOSSES:  # its loss reads the model's pooled logits
             return
+        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT
+        if type(model).__name__.endswith("ForSequenceClassification"):
+            raise ValueError(
+                f"ContextParallelMixin: {type(model).__name__}: a sequence classification loss is made exact "
+                "under CP with TRL's RewardTrainer only (the mixin's other loss path is a causal LM's token "
+                "mean); use RewardTrainer, or hf.parallelize in your own loop (the model's loss is then each "
+                "rank's 1/n share)"
+            )
         if not self.model_accepts_loss_kwargs:
             raise ValueError(
                 "ContextParallelMixin: the model's forward takes no `num_items_in_batch`, so each CP "
