@@ -20,7 +20,9 @@ data-parallel replica's CP ranks. Through the trainers' public methods only:
    number of processes and its DDP (FSDP2's reduce-scatter) averages over all of them, so the
    gradients, `loss` and `grad_norm` are the dp-only run's. Where the trainer gives no count (TRL's
    evaluation: each process's loss its own mean), the replica's token mean is formed over its CP
-   ranks.
+   ranks. TRL's RewardTrainer: the model's pooled rewards are whole on every CP rank
+   (torch_impl.hf.heads), so each computes the replica's loss; DDP's average over dp x cp undoes
+   the CP size by which select_position's backward sums the ranks' gradients.
 """
 
 import torch
@@ -41,8 +43,6 @@ NOT_A_TOKEN_MEAN = {
     "GRPOTrainer": "generates its rows, then normalises its loss per sequence",
     "RLOOTrainer": "generates its rows, then normalises its loss per sequence",
 }
-
-
 # TRL's trainers whose loss is a function of values per row that every CP rank holds whole (a
 # reward model's pooled logits, torch_impl.hf.heads): each CP rank computes the replica's loss
 ROW_LOSSES = ("RewardTrainer",)
@@ -55,8 +55,8 @@ def _trl_trainer(cls):
 
 def check_trainer(cls):
     """ValueError naming the trainer when `cls` (the class mixed with ContextParallelMixin) is one
-    of TRL's trainers other than SFTTrainer: transformers' Trainer and TRL's SFTTrainer, whose loss
-    is a token mean, are the ones the mixin makes exact."""
+    of TRL's trainers other than SFTTrainer and those in ROW_LOSSES: transformers' Trainer and
+    SFTTrainer (a token mean) and RewardTrainer (pooled rows) are the ones the mixin makes exact."""
     trl = _trl_trainer(cls)
     if trl is None or trl.__name__ in ("SFTTrainer", *ROW_LOSSES):
         return
@@ -98,13 +98,14 @@ class ContextParallelMixin:
     accumulation, padded rows of any length, packed rows, TRL's defaults: bf16 autocast and
     activation checkpointing, which then keeps the transport's and the attention's outputs as
     `hf.checkpoint_kwargs()` does; rows streamed from an IterableDataset with
-    `accelerator_config={"dispatch_batches": False}`). Refused with ValueError (every rank,
-    before the first step): accelerate's own CP/SP/TP, FSDP1 and DeepSpeed, label smoothing, a
-    `compute_loss_func`, `compute_metrics` and `preprocess_logits_for_metrics` (they would see
-    each rank's slice of the logits), a MoE router's auxiliary loss (TRL switches it on for MoE
-    models: `router_aux_loss_coef=0.0` turns it off), a model whose forward takes no
-    `num_items_in_batch`, an IterableDataset dispatched from rank 0 (accelerate's default), and
-    `predict()`.
+    `accelerator_config={"dispatch_batches": False}`); TRL's RewardTrainer likewise. Refused with
+    ValueError (every rank, before the first step): TRL's other trainers (check_trainer), a
+    sequence classification model outside RewardTrainer, accelerate's own CP/SP/TP, FSDP1 and
+    DeepSpeed, label smoothing, a `compute_loss_func`, `compute_metrics` and
+    `preprocess_logits_for_metrics` (they would see each rank's slice of the logits), a MoE
+    router's auxiliary loss (TRL switches it on for MoE models: `router_aux_loss_coef=0.0` turns it
+    off), a model whose forward takes no `num_items_in_batch`, an IterableDataset dispatched from
+    rank 0 (accelerate's default), and `predict()`.
     """
 
     def __init__(self, *args, cp_size, cp_layout="contiguous", **kwargs):
