@@ -80,6 +80,8 @@ bench-packed: $(STAMP)
 # job's figures (make demo, writing its metrics); DeepSeek Sparse Attention's bytes; the inputs check
 bench-other: $(STAMP)
 	$(PY) -m benchmarks.trainer_cost --json $(RESULTS)/trainer_cost.json
+	$(PY) -m benchmarks.dpo_cost --json $(RESULTS)/dpo_cost.json
+	$(PY) -m benchmarks.grpo_cost --json $(RESULTS)/grpo_cost.json
 	$(PY) -m benchmarks.layout_balance --json $(RESULTS)/layout_balance.json --plot docs/layout_balance.png
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 -m examples.train --cp 4 --reference \
 		--metrics $(RESULTS)/demo.json --figure docs/loss_curves.png

@@ -334,6 +334,25 @@ def trainer_cost(data):
     return f"{chr(10).join(lines)}\n\n{provenance(data)}"
 
 
+def dpo_cost(data):
+    lines = [
+        "| tokens per rank L (S = 8 L) | alone: peak MiB, ms | torch_impl: peak MiB, ms (x alone) "
+        "| all-reduced bytes (calls) | received in all |",
+        "|---|---|---|---|---|",
+    ]
+    for L in sorted({r["L"] for r in data["rows"]}):
+        alone, cp = (
+            next(r for r in data["rows"] if (r["L"], r["variant"]) == (L, v)) for v in ("alone", "torch_impl")
+        )
+        lines.append(
+            f"| {L} ({8 * L}) | {alone['peak_mib']:.0f}, {alone['ms']:.0f} "
+            f"| {cp['peak_mib']:.0f}, {cp['ms']:.0f} "
+            f"({ratio(cp['peak_mib'], alone['peak_mib'])}, {ratio(cp['ms'], alone['ms'])}) | "
+            f"{cp['allreduce_bytes']} ({cp['allreduce_calls']}) | {mib(cp['received_bytes'])} MiB |"
+        )
+    return f"{chr(10).join(lines)}\n\n{provenance(data)}"
+
+
 # --- the adapter's costs (benchmarks.layout_balance, inputs_check, dsa_bytes) -----------------------
 
 
@@ -412,7 +431,10 @@ def model_counts():
     text = (ROOT / "docs" / "models.md").read_text()
     rows = re.findall(r"^\| (exact|refused|skipped|wrong|crashed) \| (\d+) \|$", text, re.M)
     version = re.search(r"on transformers (\d+\.\d+)", text)[1]
-    return {v: int(n) for v, n in rows}, version
+    counts = {}
+    for v, n in rows:  # the first table's; the image-text-to-text sweep's follows it
+        counts.setdefault(v, int(n))
+    return counts, version
 
 
 def headline(gemma3, qwen3_5, mamba2, train_data):
@@ -456,6 +478,8 @@ BLOCKS = {
     "train": (["bench_train"], train),
     "demo": (["demo"], demo),
     "trainer_cost": (["trainer_cost"], trainer_cost),
+    "dpo_cost": (["dpo_cost"], dpo_cost),
+    "grpo_cost": (["grpo_cost"], dpo_cost),  # the same table
     "layout_balance": (["layout_balance"], layout_balance),
     "inputs_check": (["inputs_check"], inputs_check),
     "dsa_bytes": (["dsa_bytes"], dsa_bytes),
@@ -474,7 +498,16 @@ TARGETS = {
     },
     **{
         n: "make bench-other"
-        for n in ("demo", "trainer_cost", "layout_balance", "inputs_check", "dsa_bytes", "dsa_coverage")
+        for n in (
+            "demo",
+            "trainer_cost",
+            "dpo_cost",
+            "grpo_cost",
+            "layout_balance",
+            "inputs_check",
+            "dsa_bytes",
+            "dsa_coverage",
+        )
     },
 }
 

@@ -28,6 +28,7 @@ MATRIX = ROOT / "docs" / "models.md"
 SOURCES = ("torch_impl/hf/*.py", "torch_impl/attention/*.py", "parity_tests/zoo*.py")
 ORDER = ("crash", "wrong", "refused", "skipped", "exact")  # a family's verdict: its worst case's
 GROUPING = ("first", 2)
+SWEEPS = (("causal_lm", zoo.MODEL_TYPES), ("image_text", zoo.IMAGE_TEXT_TYPES))
 CASE_TIMEOUT_S = 90
 
 
@@ -40,17 +41,22 @@ def stamp():
     return digest.hexdigest()[:16]
 
 
-def sweep_family(pool, model_type, cp=True, cases=None):
-    """{case: (verdict, why, each rank's ratios)} for one family over the sweep's batches; a refusal
-    or skip of the first (padded rows) ends it."""
+def sweep_family(pool, model_type, cp=True, cases=None, task="causal_lm"):
+    """{case: (verdict, why, each rank's ratios)} for one family over the sweep's batches (the
+    task's: zoo.TASKS); a refusal or skip of the first (padded rows) ends it. The token-types case
+    of a family whose forward takes none is left out."""
     results = {}
-    for case in cases or zoo.CASES:
+    for case in cases or (zoo.IMAGE_TEXT_CASES if task == "image_text" else zoo.CASES):
         try:
-            ranks = pool.run(GROUPING, zoo_cases.compare, model_type, case, cp, timeout=CASE_TIMEOUT_S)[0]
+            ranks = pool.run(
+                GROUPING, zoo_cases.compare, model_type, case, cp, False, task, timeout=CASE_TIMEOUT_S
+            )[0]
         except CaseFailed as e:
             results[case] = ("crash", str(e)[-2000:])
             continue
         worst = min(ranks, key=lambda res: ORDER.index(res["verdict"]))
+        if worst["why"] == zoo_cases.NO_TOKEN_TYPES:
+            continue
         results[case] = (worst["verdict"], worst["why"], *(r.get("ratios") for r in ranks))
         if len(results) == 1 and worst["verdict"] in ("refused", "skipped"):
             break
@@ -76,18 +82,26 @@ def main(argv=None):
     parser.add_argument("--no-write", action="store_true", help="do not write docs/models.md")
     parser.add_argument("--json", default=str(ROOT / "out" / "models.json"))
     args = parser.parse_args(argv)
-    families = args.families.split(",") if args.families else list(zoo.MODEL_TYPES)
+    if args.families:
+        chosen = args.families.split(",")
+        sweeps = [(task, [f for f in chosen if f in types]) for task, types in SWEEPS]
+    else:
+        sweeps = SWEEPS
     pool, rows, start = WorkerPool(), [], time.monotonic()
     try:
-        for model_type in families:
-            t = time.monotonic()
-            results = sweep_family(pool, model_type)
-            outcome, why = verdict(results)
-            ratios = [r for _, _, *ranks in results.values() for r in ranks if r]
-            worst = max((max(r.values()) for r in ratios), default=None)  # difference / bound
-            row = {"model_type": model_type, "verdict": outcome, "why": why, "worst": worst}
-            rows.append(row | zoo.describe(model_type))
-            print(f"{model_type:28s} {outcome:8s} {time.monotonic() - t:5.1f}s  {why[:150]}", flush=True)
+        for task, families in sweeps:
+            for model_type in families:
+                t = time.monotonic()
+                results = sweep_family(pool, model_type, task=task)
+                outcome, why = verdict(results)
+                ratios = [r for _, _, *ranks in results.values() for r in ranks if r]
+                worst = max((max(r.values()) for r in ratios), default=None)  # difference / bound
+                row = {"task": task, "model_type": model_type, "verdict": outcome, "why": why, "worst": worst}
+                rows.append(row | zoo.describe(model_type, task))
+                print(
+                    f"{task:10s} {model_type:28s} {outcome:8s} {time.monotonic() - t:5.1f}s  {why[:150]}",
+                    flush=True,
+                )
     finally:
         pool.close()
     counts = {v: sum(row["verdict"] == v for row in rows) for v in ORDER}
@@ -116,10 +130,12 @@ def _reason(why):
 
 
 def matrix(rows):
-    """docs/models.md: counts, the refusals grouped by reason, then one row per family."""
+    """docs/models.md: per sweep (the causal LMs, then the image-text-to-text classes on text),
+    counts, the refusals grouped by reason, then one row per family."""
     import transformers
 
-    counts = {v: sum(row["verdict"] == v for row in rows) for v in ORDER}
+    image_text = [row for row in rows if row["task"] == "image_text"]
+    rows = [row for row in rows if row["task"] == "causal_lm"]
     lines = [
         "# Which transformers models torch_impl.hf makes context-parallel",
         "",
@@ -135,11 +151,28 @@ def matrix(rows):
         "first call raises `ValueError` with the reason below; **skipped**: the family could not be run "
         "here at all. A run without `parallelize` comes out wrong for every family that mixes tokens.",
         "",
+        *_section(rows, "##"),
+        "## Image-text-to-text classes, on text-only batches",
+        "",
+        "Every class of `MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`, built tiny the same way, on the same "
+        "text batches, and on padded rows carrying the token types a processor returns for text (all 0: "
+        "`token_type_ids` or `mm_token_type_ids`, where the forward takes one), which `hf.shard_batch` "
+        "accepts. A batch with images is refused: images are not split across CP ranks yet.",
+        "",
+        *_section(image_text, "###"),
+    ]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _section(rows, level):
+    """A sweep's lines: its counts, its refusals grouped by reason, one row per family."""
+    counts = {v: sum(row["verdict"] == v for row in rows) for v in ORDER}
+    lines = [
         "| verdict | families |",
         "|---|---|",
         *(f"| {v} | {counts[v]} |" for v in ORDER if counts[v]),
         "",
-        "## Refused, by reason",
+        f"{level} Refused, by reason",
         "",
     ]
     groups = {}
@@ -152,7 +185,7 @@ def matrix(rows):
         lines.append(f"- **{outcome}**, {len(families)}: {reason}: {', '.join(families)}")
     lines += [
         "",
-        "## Every family",
+        f"{level} Every family",
         "",
         "| model type | class | layer kinds | verdict | why |",
         "|---|---|---|---|---|",
@@ -162,7 +195,7 @@ def matrix(rows):
         lines.append(
             f"| `{row['model_type']}` | `{row['class']}` | {row['layers']} | {row['verdict']} | {why} |"
         )
-    return "\n".join(lines) + "\n"
+    return [*lines, ""]
 
 
 if __name__ == "__main__":

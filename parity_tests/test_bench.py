@@ -137,3 +137,16 @@ def test_gpu_check_quick_mode_runs(tmp_path):
     assert "| torch_impl | 128 (1024) |" in done.stdout
     refused = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check"], capture_output=True, text=True)
     assert refused.returncode == 2 and "no CUDA device here" in refused.stdout
+
+
+def test_gpu_check_reports_tests_that_ran_past_their_share(tmp_path):
+    """The tests' share runs out (here at once, while pytest still collects): pytest is stopped,
+    the check names where, exits 1, and its log holds what pytest printed."""
+    json_path = tmp_path / "gpu_check.json"
+    command = [sys.executable, "-m", "benchmarks.gpu_check", "--quick", "--skip-capacity", "--budget", "0.5"]
+    done = subprocess.run([*command, "--json", str(json_path)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    tests = json.loads(json_path.read_text())["tests"]
+    assert tests["interrupted"].startswith("ran past 0 s, in ") and tests["passed"] == 0, tests
+    assert "stopped: ran past" in done.stdout
+    assert (tmp_path / "gpu_check_tests.log").exists()

@@ -1,6 +1,8 @@
 """Heads that read one position of a row under CP: *ForSequenceClassification (reward models)
 pooled at the row's last real token as one process pools, on every rank; other heads refused."""
 
+import re
+
 import pytest
 import torch
 
@@ -42,20 +44,38 @@ def test_other_heads_are_refused_at_parallelize(pool, head):
             assert f"Llama{head}" in message
 
 
-@pytest.mark.parametrize("name", ["DPOTrainer", "KTOTrainer", "GRPOTrainer", "RLOOTrainer"])
-def test_trl_trainers_whose_loss_is_not_a_token_mean_are_refused_in_init(name):
+@pytest.mark.parametrize(
+    "name", ["DistillationTrainer", "trl.experimental.orpo.ORPOTrainer", "trl.experimental.kto.KTOTrainer"]
+)
+def test_trl_trainers_not_made_exact_are_refused_in_init(name, monkeypatch):
     """ContextParallelMixin refuses them before the trainer sets anything up, naming the trainer
-    (a subclass of one too); SFTTrainer, RewardTrainer and transformers' Trainer pass."""
+    (a subclass of one too; trl.experimental's by its module, its KTOTrainer included, which is not
+    trl's); SFTTrainer, RewardTrainer, DPOTrainer, KTOTrainer, GRPOTrainer, RLOOTrainer and
+    transformers' Trainer pass."""
+    import importlib
+
     import transformers
     import trl
 
     from torch_impl import hf
     from torch_impl.hf.trainer import check_trainer
 
-    mixed = type("CPTrainer", (hf.ContextParallelMixin, getattr(trl, name)), {})
-    with pytest.raises(ValueError, match=f"TRL's {name} is not supported: its loss"):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    module, _, cls = name.rpartition(".")
+    base = getattr(importlib.import_module(module or "trl"), cls)
+    said = f"TRL's {base.__module__}.{cls}" if module else f"TRL's {cls}"
+    mixed = type("CPTrainer", (hf.ContextParallelMixin, base), {})
+    with pytest.raises(ValueError, match=f"{re.escape(said)} is not supported: the mixin was not made exact"):
         mixed(model=None, cp_size=2)
-    with pytest.raises(ValueError, match=f"TRL's {name} is not supported"):
+    with pytest.raises(ValueError, match=f"{re.escape(said)} is not supported"):
         check_trainer(type("Mine", (mixed,), {}))
-    for cls in (trl.SFTTrainer, trl.RewardTrainer, transformers.Trainer):
+    trainers = (
+        trl.SFTTrainer,
+        trl.RewardTrainer,
+        trl.DPOTrainer,
+        trl.KTOTrainer,
+        trl.GRPOTrainer,
+        trl.RLOOTrainer,
+    )
+    for cls in (*trainers, transformers.Trainer):
         check_trainer(type("CPTrainer", (hf.ContextParallelMixin, cls), {}))

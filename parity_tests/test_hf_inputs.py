@@ -266,6 +266,21 @@ def test_shard_batch_requires_divisible_length(pool):
         assert message == "the sequence length S=22 must be divisible by the CP size n=4", message
 
 
+def test_shard_batch_takes_text_token_types_and_refuses_images():
+    """A vision-language processor's token types of a text-only batch (all 0) are checked and
+    dropped: the shards are the batch's without them. One marking an image or video token, or of
+    another shape than input_ids, is refused naming the key."""
+    batch = {"input_ids": torch.arange(8).reshape(2, 4), "attention_mask": torch.ones(2, 4, dtype=torch.long)}
+    for key in ("token_type_ids", "mm_token_type_ids"):
+        local = hf.shard_batch(batch | {key: torch.zeros(2, 4, dtype=torch.long)}, None)
+        assert local.keys() == hf.shard_batch(batch, None).keys() and key not in local
+        images = torch.tensor([[0, 1, 1, 0], [0, 0, 0, 0]])
+        with pytest.raises(ValueError, match=rf"`batch\['{key}'\]` marks image or video tokens"):
+            hf.shard_batch(batch | {key: images}, None)
+        with pytest.raises(ValueError, match=rf"`batch\['{key}'\]` must be \[B, S\]"):
+            hf.shard_batch(batch | {key: torch.zeros(2, 3, dtype=torch.long)}, None)
+
+
 # --- without CP, and other models in the process ----------------------------------------------
 
 

@@ -9,8 +9,10 @@ under head_tail, Gemma 3 under FSDP2, with LoRA, and streamed from an IterableDa
 with packing: Gemma 3 and GPT-OSS (head_tail) on prompt-completion pairs, the loss on completions
 only, Mistral on text, Gemma 3 with TRL's defaults, bf16 autocast and activation checkpointing, in
 float64 and float32; RewardTrainer on chosen / rejected pairs: Llama, Mistral under head_tail with
-centred rewards, with LoRA, under FSDP2 and with TRL's defaults, every metric it logs compared),
-both recipes, resume from a checkpoint (DDP and FSDP2) and the refusals; and
+centred rewards, with LoRA, under FSDP2 and with TRL's defaults, every metric it logs compared;
+DPOTrainer and KTOTrainer with a separate reference model, with LoRA (reference: the adapter off),
+with precomputed reference log-probs, under FSDP2 and with TRL's defaults, every metric compared),
+the four recipes, resume from a checkpoint (DDP and FSDP2) and the refusals; and
 dp 2 x cp 2 (4 processes) against dp 2, DP_CASES and the refusals. The models are float64, but
 transformers rounds their norms, and the logged loss, through float32: the logged loss and eval_loss
 are float32 sums over a step's tokens (at most STEP_TOKENS), taken in another order on each side,
@@ -35,7 +37,13 @@ DP_CASES = (
     "sft_gpt_oss_packed_head_tail",
     "trainer_gemma3_lora",
     "reward_llama",
+    "dpo_mistral_head_tail",
+    "kto_llama",
+    "grpo_llama",
+    "grpo_gemma3_head_tail_kl",
+    "rloo_llama",
 )
+ROLLOUTS = ("grpo", "rloo")
 COMPARED = [("cp2", "one", case) for case in trainer_jobs.CASES] + [("dp2cp2", "dp2", c) for c in DP_CASES]
 
 
@@ -68,16 +76,25 @@ def test_the_trainer_over_cp_equals_it_without(runs, launch, reference, case):
     got, want = runs[launch][case], runs[reference][case]
     steps = [h["step"] for h in want["log"]]
     assert [h["step"] for h in got["log"]] == steps == [1, 2, 3]
-    if trainer_jobs.CASES[case][3].get("dtype") == "float32":  # under bf16 autocast
+    kind, _, _, extra = trainer_jobs.CASES[case]
+    if extra.get("dtype") == "float32" or extra.get("bf16_head"):  # under bf16 autocast
         return within_bfloat16(got, want, case)
+    if kind in ROLLOUTS:
+        rollout_metrics(got, want)
     for g, w in zip(got["log"], want["log"], strict=True):
+        if kind in ROLLOUTS:  # checked above
+            break
         bounds.check(abs(g["loss"] - w["loss"]), 2 * STEP_TOKENS * U32 * w["loss"], f"step {w['step']} loss")
         bounds.check(
             abs(g["grad_norm"] - w["grad_norm"]), 1e-5 * w["grad_norm"], f"step {w['step']} grad_norm"
         )
-    if trainer_jobs.CASES[case][0] == "reward":
+    if kind == "reward":
         reward_metrics(got, want)
-    loss_bound = 2 * STEP_TOKENS * U32 * want["eval_loss"]
+    if kind in ("dpo", "kto"):
+        preference_metrics(got, want)
+    loss_bound = 2 * STEP_TOKENS * U32 * abs(want["eval_loss"])
+    if kind in ROLLOUTS:
+        loss_bound = 64 * U32
     bounds.check(abs(got["eval_loss"] - want["eval_loss"]), loss_bound, "eval_loss")
     start = trainer_jobs.initial_params(case)
     for key, w in want["params"].items():
@@ -97,6 +114,46 @@ def reward_metrics(got, want):
             bounds.check(abs(g[key] - w[key]), 1e-12 * max(abs(w[key]), 1.0), f"step {w.get('step')} {key}")
 
 
+def preference_metrics(got, want):
+    """DPOTrainer and KTOTrainer: every metric they log in training and evaluate() (entropy, mean
+    logits, token accuracy, rewards, margins, log-probs, KL, num_tokens). TRL's fused LM head
+    computes each token's log-prob in float32 on both sides (test_preference.py): a value within
+    64 u32 of the largest magnitude it is built from, its own or (rewards, margins, KL: differences
+    of a row's log-probs) the largest row log-prob logged; num_tokens exactly."""
+    for g, w in [*zip(got["log"], want["log"], strict=True), (got["eval"], want["eval"])]:
+        assert g.keys() == w.keys(), (g.keys(), w.keys())
+        prefix = "eval_" if "eval_loss" in w else ""
+        logps = max(abs(w[key]) for key in w if key.startswith(f"{prefix}logps/"))
+        for key in w.keys() - {"loss", "grad_norm", "learning_rate", "epoch", "step", "eval_loss"}:
+            if key.endswith("num_tokens"):
+                assert g[key] == w[key], (key, g[key], w[key])
+                continue
+            scale = logps if key.startswith((f"{prefix}rewards/", f"{prefix}kl")) else max(abs(w[key]), 1.0)
+            bounds.check(abs(g[key] - w[key]), 64 * U32 * scale, f"step {w.get('step')} {key}")
+
+
+def rollout_metrics(got, want):
+    """GRPOTrainer and RLOOTrainer: the loss, grad_norm and every metric they log in training and
+    evaluate()
+    (completion lengths, rewards, their spread, entropy, KL, clip ratios, num_tokens). The
+    completions are the same tokens (each length, reward and `num_tokens` exactly equal); TRL's
+    fused LM head computes each token's log-prob in float32 on both sides, summed over at most a
+    step's 2 x 48 completion tokens in another order: the loss (a mean over tokens of ratios
+    times advantages of at most a few units) and every other value within 64 u32 of the larger of
+    it and 1; grad_norm within 1e-5 of it, as the others."""
+    for g, w in [*zip(got["log"], want["log"], strict=True), (got["eval"], want["eval"])]:
+        assert g.keys() == w.keys(), g.keys() ^ w.keys()
+        for key in w.keys() - {"learning_rate", "epoch", "step", "step_time", "eval_loss"}:
+            if key.removeprefix("eval_").startswith(("num_tokens", "completions/", "rewards/", "reward")):
+                assert g[key] == w[key], (key, g[key], w[key])
+            elif key == "grad_norm":
+                bounds.check(abs(g[key] - w[key]), 1e-5 * w[key], f"step {w['step']} grad_norm")
+            else:
+                bounds.check(
+                    abs(g[key] - w[key]), 64 * U32 * max(abs(w[key]), 1.0), f"step {w.get('step')} {key}"
+                )
+
+
 def within_bfloat16(got, want, case):
     """A float32 model under TRL's bf16 autocast: every matmul's inputs are rounded to bfloat16
     (u = 2^-8) on each side, from float32 values that differ by float32 roundings taken in another
@@ -105,10 +162,12 @@ def within_bfloat16(got, want, case):
     bound = (
         4 * bounds.u(torch.bfloat16) * hf_models.build(trainer_jobs.CASES[case][1]).config.num_hidden_layers
     )
+    floor = 1.0 if trainer_jobs.CASES[case][0] in ROLLOUTS else 0.0  # their loss: about 0 (advantages)
     for g, w in zip(got["log"], want["log"], strict=True):
         for key in ("loss", "grad_norm"):
-            bounds.check(abs(g[key] - w[key]), bound * w[key], f"step {w['step']} {key}")
-    bounds.check(abs(got["eval_loss"] - want["eval_loss"]), bound * want["eval_loss"], "eval_loss")
+            bounds.check(abs(g[key] - w[key]), bound * max(abs(w[key]), floor), f"step {w['step']} {key}")
+    scale = max(abs(want["eval_loss"]), floor)
+    bounds.check(abs(got["eval_loss"] - want["eval_loss"]), bound * scale, "eval_loss")
 
 
 @pytest.mark.parametrize("launch", ["cp2", "dp2cp2"])
@@ -190,15 +249,22 @@ def test_what_cannot_be_exact_is_refused_on_every_rank(runs, launch):
         )
 
 
-@pytest.mark.parametrize("recipe", ["examples.recipes.trainer", "examples.recipes.sft"])
+@pytest.mark.parametrize("recipe", ["trainer", "sft", "dpo", "grpo"])
 def test_the_recipes_over_cp_equal_them_without(runs, recipe):
     """The recipes' float32 models: every step in float32, the attention's sums of up to 48 keys
     rounding in another order (2 (2T + D) u32, T = 48, D = 16: 224 u32) on both sides, and the loss's
-    float32 sum over a step's tokens (dp 1: 2 x 2 x 48 at most) in another order."""
-    got, want = runs["cp2"][recipe], runs["one"][recipe]
+    float32 sum over a step's tokens (dp 1: 2 x 2 x 48 at most) in another order. GRPO's
+    completions are the same tokens (each step's mean reward exactly equal), and its loss, a mean
+    of ratios times advantages that cancel to about 0, is bounded by the larger of it and 1."""
+    got, want = runs["cp2"][f"examples.recipes.{recipe}"], runs["one"][f"examples.recipes.{recipe}"]
     assert [h["step"] for h in got["log"]] == [h["step"] for h in want["log"]] == [1, 2, 3]
     c = 2 * (224 + 2 * 2 * 48)
+    floor = {"loss": 1.0 if recipe == "grpo" else 0.0, "grad_norm": 0.0}
     for g, w in zip(got["log"], want["log"], strict=True):
         for key in ("loss", "grad_norm"):
-            bounds.check(abs(g[key] - w[key]), c * U32 * abs(w[key]), f"step {w['step']} {key}")
-    bounds.check(abs(got["eval_loss"] - want["eval_loss"]), c * U32 * want["eval_loss"], "eval_loss")
+            scale = max(abs(w[key]), floor[key])
+            bounds.check(abs(g[key] - w[key]), c * U32 * scale, f"step {w['step']} {key}")
+        if recipe == "grpo":
+            assert g["reward"] == w["reward"], (w["step"], g["reward"], w["reward"])
+    scale = max(abs(want["eval_loss"]), floor["loss"])
+    bounds.check(abs(got["eval_loss"] - want["eval_loss"]), c * U32 * scale, "eval_loss")

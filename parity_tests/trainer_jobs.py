@@ -15,9 +15,20 @@ from datasets import Dataset
 import torch
 import torch.distributed as dist
 import transformers as tf
-from trl import RewardConfig, RewardTrainer, SFTTrainer
+import trl
+from trl import (
+    DPOConfig,
+    DPOTrainer,
+    GRPOConfig,
+    KTOConfig,
+    KTOTrainer,
+    RewardConfig,
+    RewardTrainer,
+    RLOOConfig,
+    SFTTrainer,
+)
 
-from examples.recipes import sft, trainer, trainer_data
+from examples.recipes import dpo, grpo, sft, trainer, trainer_data
 from parity_tests import hf_models
 from parity_tests.hf_reference import float64_steps
 from torch_impl import hf
@@ -68,8 +79,143 @@ CASES = {
     "reward_llama_fsdp2": ("reward", "llama", "contiguous", {"fsdp": True}),
     # TRL's defaults: bf16 autocast (which leaves float64 as it is) and activation checkpointing
     "reward_llama_trl_defaults": ("reward", "llama", "head_tail", {"args": {"bf16": None}}),
+    # DPO on chosen / rejected completions of 2 to 30 words after prompts of 3 to 6, padded on the
+    # right: a separate reference model (other weights), IPO and SFT terms (per-row and batch
+    # token counts), LoRA (the reference: the adapter off), precomputed reference log-probs,
+    # FSDP2, TRL's defaults (bf16 autocast, activation checkpointing)
+    "dpo_llama": ("dpo", "llama", "contiguous", {"ref": True}),
+    "dpo_mistral_head_tail": (
+        "dpo",
+        "mistral",
+        "head_tail",
+        {"ref": True, "args": {"loss_type": ["sigmoid", "ipo", "sft"], "loss_weights": [1.0, 0.5, 0.2]}},
+    ),
+    "dpo_llama_lora": ("dpo", "llama", "contiguous", {"lora": True}),
+    "dpo_llama_precomputed": ("dpo", "llama", "head_tail", {"args": {"precompute_ref_log_probs": True}}),
+    "dpo_llama_fsdp2": ("dpo", "llama", "contiguous", {"ref": True, "fsdp": True}),
+    # under bf16 autocast TRL's fused LM head computes in bfloat16 (its kernel takes the autocast
+    # dtype), even for a float64 model
+    "dpo_llama_trl_defaults": (
+        "dpo",
+        "llama",
+        "head_tail",
+        {"ref": True, "args": {"bf16": None}, "bf16_head": True},
+    ),
+    # KTO on unpaired completions, desirable or not: its KL term from mismatched pairs
+    "kto_llama": ("kto", "llama", "contiguous", {"ref": True}),
+    "kto_mistral_head_tail_lora": ("kto", "mistral", "head_tail", {"lora": True}),
+    # GRPO: completions of up to 12 tokens sampled after prompts of 3 to 6 words, 4 a prompt,
+    # rewarded by their share of even token ids. TRL's default loss (dapo); a replica's CP
+    # ranks whose random states differ from the start (CP rank 0's completions must reach them);
+    # GRPO's per-sequence loss with sequence-level ratios, two passes over each generation (the
+    # old policy's log-probs) and a KL to a separate reference; a hybrid model (Gated DeltaNet);
+    # VESPO with the off-policy mask, the high-entropy token mask and an entropy bonus; LoRA (the
+    # reference: the adapter off); FSDP2; TRL's defaults (bf16 autocast, checkpointing)
+    "grpo_llama": ("grpo", "llama", "contiguous", {"desync": True}),
+    "grpo_gemma3_head_tail_kl": (
+        "grpo",
+        "gemma3",
+        "head_tail",
+        {
+            "ref": True,
+            "args": {
+                "loss_type": "grpo",
+                "importance_sampling_level": "sequence",
+                "beta": 0.04,
+                "num_iterations": 2,
+            },
+        },
+    ),  # fmt: skip
+    "grpo_qwen3_5": ("grpo", "qwen3_5", "contiguous", {}),
+    "grpo_mistral_vespo": (
+        "grpo",
+        "mistral",
+        "contiguous",
+        {
+            "args": {
+                "loss_type": "vespo",
+                "off_policy_mask_threshold": 0.05,
+                "top_entropy_quantile": 0.5,
+                "entropy_coef": 0.01,
+                "steps_per_generation": 4,
+            }
+        },
+    ),  # fmt: skip
+    "grpo_llama_lora_kl": ("grpo", "llama", "head_tail", {"lora": True, "args": {"beta": 0.04}}),
+    "grpo_llama_fsdp2": ("grpo", "llama", "contiguous", {"fsdp": True}),
+    "grpo_llama_trl_defaults": (
+        "grpo",
+        "llama",
+        "contiguous",
+        {"args": {"bf16": None, "gradient_checkpointing": None}, "bf16_head": True},
+    ),
+    # RLOO, on GRPO's rows: its default KL penalty in the reward (beta 0.05) to a separate
+    # reference, a replica's CP ranks desynced; a hybrid model with normalised advantages and two
+    # passes over each generation (a row's ratio to the old policy); LoRA (the reference: the
+    # adapter off); FSDP2; TRL's defaults (bf16 autocast, checkpointing)
+    "rloo_llama": ("rloo", "llama", "contiguous", {"ref": True, "desync": True}),
+    "rloo_qwen3_5_head_tail": (
+        "rloo",
+        "qwen3_5",
+        "head_tail",
+        {"args": {"beta": 0.0, "num_iterations": 2, "normalize_advantages": True}},
+    ),
+    "rloo_llama_lora": ("rloo", "llama", "head_tail", {"lora": True}),
+    "rloo_llama_fsdp2": ("rloo", "llama", "contiguous", {"fsdp": True, "args": {"beta": 0.0}}),
+    "rloo_llama_trl_defaults": (
+        "rloo",
+        "llama",
+        "contiguous",
+        {"args": {"beta": 0.0, "bf16": None, "gradient_checkpointing": None}, "bf16_head": True},
+    ),
 }
 STREAMED = {"accelerator_config": {"dispatch_batches": False}}
+# GRPO and RLOO: 2 prompts a generation (a micro-batch: one prompt's 4 completions), TRAINING's
+# SGD steps
+GRPO_TRAINING = trainer.TRAINING | dict(
+    per_device_train_batch_size=4,
+    per_device_eval_batch_size=4,
+    num_generations=4,
+    max_completion_length=12,
+    bf16=False,
+    gradient_checkpointing=False,
+)
+
+
+def prompt_rows(n, seed):
+    """GRPO's and RLOO's dataset: n prompts of 3 to 6 random words."""
+    return Dataset.from_dict({"prompt": trainer_data.sentences(n, 3, 6, seed)})
+
+
+def even_tokens(prompts, completions, completion_ids, **kwargs):
+    """A reward: each completion's share of even token ids."""
+    return [sum(1.0 for i in ids if i % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
+
+
+def saved_as_reference(model, path):
+    """GRPO's and RLOO's reference (beta > 0, no PEFT): TRL loads it from the policy's path, so the model is
+    saved there first (by rank 0) and names it: the reference is its initial weights."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        model.save_pretrained(path)
+    if dist.is_initialized():
+        dist.barrier()
+    model.config._name_or_path = path
+    return model
+
+
+class Desynced(tf.TrainerCallback):
+    """Tests only: the random states of every CP rank but the first made different from the dp-only
+    run's at the start of training, so that only CP rank 0's samples can be the dp-only run's
+    (torch_impl.hf.rl.agree broadcasts them)."""
+
+    def __init__(self, cp_size):
+        self.cp_size = cp_size
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.cp_size > 1 and dist.get_rank() % self.cp_size:
+            from accelerate.utils import set_seed
+
+            set_seed(1000 + dist.get_rank())
 
 
 class Streamed(torch.utils.data.IterableDataset):
@@ -94,7 +240,9 @@ class Rows:
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if model.training:
-            ids = inputs["input_ids"]
+            ids = inputs.get("input_ids")
+            if ids is None:  # GRPO's and RLOO's generated rows
+                ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
             self.rows.append([tuple(row.tolist()) for row in ids])
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
@@ -103,15 +251,25 @@ class FSDP2OnCPU:
     """Tests only: accelerate selects FSDP for accelerator devices alone (its `AcceleratorState`),
     so on CPU `TrainingArguments(fsdp=...)` silently runs DDP. After the trainer made its
     accelerator, this sets accelerate's state to FSDP2 with the arguments' plugin, as a GPU run
-    has it; FSDP2 itself runs on gloo."""
+    has it; FSDP2 itself runs on gloo. Set again when the trainer's `__init__` ends: GRPO's seeding
+    (`set_seed(device_specific=True)`) makes an AcceleratorState, which copies the process state's
+    MULTI_CPU over it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._as_fsdp2()
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
+        self._as_fsdp2()
+
+    def _as_fsdp2(self):
         from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
         state = self.accelerator.state
-        state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
-        state.distributed_type = DistributedType.FSDP
+        if state.distributed_type != DistributedType.FSDP:
+            state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+            state.distributed_type = DistributedType.FSDP
         self.is_fsdp_enabled = True
 
 
@@ -122,7 +280,15 @@ FSDP2 = {"fsdp": True, "fsdp_config": {"fsdp_version": 2, "state_dict_type": "SH
 
 def classes(kind, fsdp=False):
     """(the plain trainer class, its CP version), both recording their rows (under FSDP2)."""
-    base = {"trainer": tf.Trainer, "sft": SFTTrainer, "reward": RewardTrainer}[kind]
+    base = {
+        "trainer": tf.Trainer,
+        "sft": SFTTrainer,
+        "reward": RewardTrainer,
+        "dpo": DPOTrainer,
+        "kto": KTOTrainer,
+        "grpo": trl.GRPOTrainer,
+        "rloo": trl.RLOOTrainer,
+    }[kind]
     extra = (FSDP2OnCPU,) if fsdp else ()
     return type("Plain", (Rows, *extra, base), {}), type(
         "CP", (Rows, hf.ContextParallelMixin, *extra, base), {}
@@ -140,10 +306,16 @@ def model_of(kind, name, extra):
     if extra.get("lora"):
         import peft
 
-        task = {"task_type": "SEQ_CLS"} if kind == "reward" else {}  # the score head trains too
-        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, lora_dropout=0.0, **task)
-        model = peft.get_peft_model(model, config)  # A drawn from the seeded generator, B zero
+        torch.manual_seed(0)  # A drawn from the seeded generator, B zero
+        model = peft.get_peft_model(model, lora_config(kind))
     return model
+
+
+def lora_config(kind):
+    import peft
+
+    task = {"task_type": "SEQ_CLS"} if kind == "reward" else {}  # the score head trains too
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, lora_dropout=0.0, **task)
 
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -152,7 +324,10 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 def build(kind, name, layout, extra, cp_size, output_dir, **overrides):
     """The case's trainer (not trained yet)."""
     plain, cp = classes(kind, extra.get("fsdp", False))
-    model = model_of(kind, name, extra)
+    # DPO and KTO wrap the model in LoRA themselves (peft_config): their reference is then the
+    # model with its adapter off (given a PEFT model, they would copy its adapter as the reference)
+    wrapped_by_trl = kind in ("dpo", "kto", "grpo", "rloo") and extra.get("lora")
+    model = model_of(kind, name, {**extra, "lora": False} if wrapped_by_trl else extra)
     received = set()  # every keyword the model's forward is given
     model.register_forward_pre_hook(lambda module, args, kw: received.update(kw), with_kwargs=True)
     kwargs = {} if cp_size == 1 else {"cp_size": cp_size, "cp_layout": layout}
@@ -172,6 +347,25 @@ def build(kind, name, layout, extra, cp_size, output_dir, **overrides):
             eval_dataset=evaluated,
             data_collator=trainer_data.pad_rows,
         )
+    elif kind in ("dpo", "kto"):
+        config = {"dpo": DPOConfig, "kto": KTOConfig}[kind]
+        args = config(output_dir, **trainer.TRAINING | {"bf16": False, "dataset_num_proc": None} | overrides)
+        data = {"processing_class": trainer_data.tokenizer()}
+        if extra.get("ref"):  # a reference model with other weights than the policy's
+            data["ref_model"] = hf_models.build(name, seed=1)
+        for split, (n, seed) in {"train_dataset": (48, 0), "eval_dataset": (8, 1)}.items():
+            data[split] = preference_rows(kind, n, seed)
+            if args.precompute_ref_log_probs:  # TRL caches the log-probs beside the dataset's files
+                data[split] = on_disk(data[split], os.path.join(output_dir, split))
+    elif kind in ("grpo", "rloo"):  # None: the config's default
+        config = {"grpo": GRPOConfig, "rloo": RLOOConfig}[kind]
+        args = config(output_dir, **{k: v for k, v in (GRPO_TRAINING | overrides).items() if v is not None})
+        if extra.get("ref"):
+            saved_as_reference(model, os.path.join(output_dir, "initial"))
+        data = {"processing_class": trainer_data.tokenizer(), "reward_funcs": even_tokens}
+        data |= {"train_dataset": prompt_rows(48, 0), "eval_dataset": prompt_rows(8, 1)}
+        if extra.get("desync"):
+            data["callbacks"] = [Desynced(cp_size)]
     elif kind == "reward":  # chosen / rejected completions of 2 to 30 words after a shared prompt
         args = RewardConfig(
             output_dir, **trainer.TRAINING | {"bf16": False, "dataset_num_proc": None} | overrides
@@ -201,9 +395,36 @@ def build(kind, name, layout, extra, cp_size, output_dir, **overrides):
                 {"prompt": prompts, "completion": [" " + c for c in completions]}
             )
         data["processing_class"] = trainer_data.tokenizer()
+    if wrapped_by_trl:
+        data["peft_config"] = lora_config(kind)
+        torch.manual_seed(0)  # as model_of draws A
     built = (plain if cp_size == 1 else cp)(model=model, args=args, **data, **kwargs)
     built.rows, built.received = [], received
     return built
+
+
+def preference_rows(kind, n, seed):
+    """DPO's chosen / rejected completions of 2 to 30 words after prompts of 3 to 6; KTO's unpaired
+    completions, every third one undesirable."""
+    prompts = trainer_data.sentences(n, 3, 6, seed)
+    chosen, rejected = ([" " + c for c in trainer_data.sentences(n, 2, 30, seed + k)] for k in (100, 200))
+    if kind == "dpo":
+        return Dataset.from_dict({"prompt": prompts, "chosen": chosen, "rejected": rejected})
+    labels = [i % 3 != 2 for i in range(n)]
+    return Dataset.from_dict({"prompt": prompts, "completion": chosen, "label": labels})
+
+
+def on_disk(dataset, path):
+    """`dataset` saved under `path` (by rank 0) and loaded from there: its cache files (TRL's
+    precomputed reference log-probs) are then where every process reads them, not in a
+    process's own temporary directory."""
+    from datasets import load_from_disk
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        dataset.save_to_disk(path)
+    if dist.is_initialized():
+        dist.barrier()
+    return load_from_disk(path)
 
 
 def initial_params(case):
@@ -318,7 +539,9 @@ def main(argv=None):
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--resume", action="store_true")
     p.add_argument("--refusals", action="store_true")
-    p.add_argument("--recipes", action="store_true", help="also examples/recipes/trainer.py and sft.py")
+    p.add_argument(
+        "--recipes", action="store_true", help="also examples/recipes/trainer.py, sft.py, dpo.py and grpo.py"
+    )
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -327,7 +550,7 @@ def main(argv=None):
     for name in args.cases.split(",") if args.cases else ():
         results[name] = run(name, args.cp_size, os.path.join(workdir, name))
     if args.recipes:  # as docs/trainer.md runs them (float32 models), with or without CP
-        for recipe in (trainer, sft):
+        for recipe in (trainer, sft, dpo, grpo):
             out = os.path.join(workdir, recipe.__name__.rsplit(".", 1)[1])
             results[recipe.__name__] = recipe.main(["--cp-size", str(args.cp_size), "--output-dir", out])
     if args.resume:

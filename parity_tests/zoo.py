@@ -11,10 +11,19 @@ cannot be run here at all. `build` makes the float64 model; `CASES` are the swee
 import inspect
 
 import torch
-from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PreTrainedConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedConfig
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+)
 
 MODEL_TYPES = tuple(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+# the image-text-to-text classes, swept on text-only batches (`task="image_text"`)
+IMAGE_TEXT_TYPES = tuple(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+TASKS = {  # task: (the auto class, its mapping of model types to class names)
+    "causal_lm": (AutoModelForCausalLM, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+    "image_text": (AutoModelForImageTextToText, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES),
+}
 VOCAB = 96
 SEQ_LEN = 32
 WINDOW = 8
@@ -334,14 +343,15 @@ def tiny_config(model_type):
     return tiny(cls, decoder | FAMILY.get(model_type, {}))
 
 
-def build(model_type, dtype=torch.float64, seed=0):
-    """The family's tiny model in `dtype`, weights drawn from `seed`, eval mode, eager experts
-    (grouped_mm has no float64 kernel on CPU). ValueError for a family in SKIPPED."""
+def build(model_type, dtype=torch.float64, seed=0, task="causal_lm"):
+    """The family's tiny model (its causal-LM class, or for task "image_text" its image-text-to-text
+    class) in `dtype`, weights drawn from `seed`, eval mode, eager experts (grouped_mm has no
+    float64 kernel on CPU). ValueError for a family in SKIPPED."""
     if model_type in SKIPPED:
         raise ValueError(f"{model_type}: {SKIPPED[model_type]}")
     config = tiny_config(model_type)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    model = TASKS[task][0].from_config(config).to(dtype).eval()
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")
     if model_type in POST:
@@ -385,11 +395,21 @@ def packed_batch(config, seed=2):
     return {"input_ids": input_ids, "position_ids": positions, "labels": input_ids.clone()}
 
 
+def typed_batch(config, seed=1):
+    """padded_batch with the token types a vision-language processor returns for text (all 0),
+    under both names (the case passes the one the model's forward takes)."""
+    batch = padded_batch(config, seed)
+    zeros = torch.zeros_like(batch["input_ids"])
+    return batch | {"token_type_ids": zeros, "mm_token_type_ids": zeros}
+
+
 CASES = {  # name: (layout, batch)
     "padded": ("contiguous", padded_batch),
     "padded, head_tail": ("head_tail", padded_batch),
     "packed": ("contiguous", packed_batch),
 }
+# the image-text-to-text sweep's: text-only batches, with a processor's token types too
+IMAGE_TEXT_CASES = CASES | {"padded, token types": ("contiguous", typed_batch)}
 
 
 def depth(config):
@@ -406,13 +426,14 @@ def heads(config):
     return getattr(_text(config), "num_attention_heads", None) or 1
 
 
-def describe(model_type):
-    """{"class": the causal-LM class, "layers": its config's layer types} for the matrix."""
+def describe(model_type, task="causal_lm"):
+    """{"class": the task's class, "layers": its config's layer types} for the matrix."""
+    names = TASKS[task][1]
     try:
         config = _text(tiny_config(model_type))
     except Exception:  # a family whose default config transformers itself refuses
-        return {"class": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type], "layers": "?"}
+        return {"class": names[model_type], "layers": "?"}
     kinds = sorted(set(getattr(config, "layer_types", None) or ()))
     if not kinds:
         kinds = ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"]
-    return {"class": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type], "layers": ", ".join(kinds)}
+    return {"class": names[model_type], "layers": ", ".join(kinds)}

@@ -22,6 +22,7 @@ A wrong result is far outside them: without `parallelize` every family that mixe
 
 from contextlib import ExitStack, contextmanager, nullcontext
 import copy
+import inspect
 from pathlib import Path
 import traceback
 
@@ -31,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from parity_tests import bounds, zoo
 from torch_impl import hf
+from torch_impl.hf.inputs import TYPE_KEYS
 from torch_impl.layout import ShardPlan
 
 
@@ -77,7 +79,7 @@ def _error(e):
     return f"{type(e).__name__}: {e}".splitlines()[0][:300]
 
 
-def compare(group, model_type, case, cp=True, checkpointing=False):
+def compare(group, model_type, case, cp=True, checkpointing=False, task="causal_lm"):
     """One family on one of the sweep's batches (zoo.CASES) on this rank: a verdict dict.
 
     {"verdict": "exact" | "wrong" | "refused" | "crash" | "skipped", "why": ..., "ratios": the
@@ -85,24 +87,32 @@ def compare(group, model_type, case, cp=True, checkpointing=False):
     model or one process cannot run the batch (the reason). cp False: the same without
     `parallelize` (each rank runs the model on its own shard alone), which must come out wrong.
     checkpointing: both models in train mode with activation checkpointing (the CP one with
-    hf.checkpoint_kwargs(), one process with transformers' default).
+    hf.checkpoint_kwargs(), one process with transformers' default). task: zoo.TASKS' (the class
+    built; "image_text" takes its cases from zoo.IMAGE_TEXT_CASES).
     """
     default = torch.get_default_dtype()
     if model_type in zoo.DEFAULT_FLOAT64:
         torch.set_default_dtype(torch.float64)
     try:
-        return _compare(group, model_type, case, cp, checkpointing)
+        return _compare(group, model_type, case, cp, checkpointing, task)
     finally:
         torch.set_default_dtype(default)
 
 
-def _compare(group, model_type, case, cp, checkpointing):
-    layout, make_batch = zoo.CASES[case]
+NO_TOKEN_TYPES = "its forward takes no token types"
+
+
+def _compare(group, model_type, case, cp, checkpointing, task):
+    layout, make_batch = (zoo.IMAGE_TEXT_CASES if task == "image_text" else zoo.CASES)[case]
     if model_type in zoo.SKIPPED:
         return {"verdict": "skipped", "why": zoo.SKIPPED[model_type]}
     try:
-        model = zoo.build(model_type)
+        model = zoo.build(model_type, task=task)
         batch = make_batch(model.config)
+        taken = inspect.signature(model.forward).parameters
+        batch = {key: value for key, value in batch.items() if key not in TYPE_KEYS or key in taken}
+        if make_batch is zoo.typed_batch and not set(TYPE_KEYS) & set(batch):
+            return {"verdict": "skipped", "why": NO_TOKEN_TYPES}
         one_process = copy.deepcopy(model)
     except Exception as e:  # the zoo's limit, not the adapter's
         return {"verdict": "skipped", "why": _error(e)}

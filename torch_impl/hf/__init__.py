@@ -40,8 +40,9 @@ are refused, and why: docs/models.md (`make models`).
 
 Modules: `parallelize` (the checks and the plan), one per layer kind (`attention`: full and
 sliding; `short_conv`; `recurrent`: linear attention; `indexed`: DeepSeek Sparse Attention),
-`inputs` (`shard_batch` and the base model's pre-hook), `trainer` (`ContextParallelMixin`:
-transformers' Trainer and TRL's SFTTrainer).
+`inputs` (`shard_batch` and the base model's pre-hook), `heads` (sequence classification),
+`trainer` (`ContextParallelMixin`: transformers' Trainer and TRL's SFTTrainer, RewardTrainer,
+DPOTrainer and KTOTrainer; `preference`: DPO's and KTO's loss under CP).
 """
 
 from torch_impl.hf._common import IMPLEMENTATION

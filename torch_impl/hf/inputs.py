@@ -17,6 +17,8 @@ from torch_impl.metadata import gather_metadata
 
 IGNORE_INDEX = -100
 BATCH_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
+# a vision-language processor's token types [B, S] (0: text): accepted for text-only batches
+TYPE_KEYS = ("token_type_ids", "mm_token_type_ids")
 LAYOUT = "cp_layout"  # the kwarg by which shard_batch marks a rank's shard (naming its layout)
 
 
@@ -169,7 +171,7 @@ class ModelInputs:
         tokens = argument("inputs_embeds") if tokens is None else tokens
         (B, L), cache, positions = tokens.shape[:2], argument("past_key_values"), argument("position_ids")
         padding, creates_cache = argument("attention_mask"), _creates_cache(module, argument)
-        error = self.check(module, cache, padding) or self.check_text(argument)
+        error = self.check(module, cache, padding) or self.check_text(module, argument)
         if error is None and given != self.layout:
             error = (
                 f"`{IMPLEMENTATION}`: the batch was sharded with layout={given!r} but the model was "
@@ -255,16 +257,25 @@ class ModelInputs:
         if self.outer:
             RUNNING.context = self.outer.pop()
 
-    def check_text(self, argument):
+    def check_text(self, module, argument):
         """What is wrong with passing the hooked forward's other arguments, or None: under CP a
-        rank holds a shard of a text batch, and the adapter splits nothing else."""
+        rank holds a shard of a text batch, and the adapter splits nothing else. A value the
+        model's config holds under the same name is a setting, not an input (LLaVA's and
+        Mistral 3's `vision_feature_layer`, which their forward's decorator fills in)."""
         for name in self.arguments.names:
-            if name not in TEXT_INPUTS and argument(name) is not None:
+            value = argument(name)
+            if name in TEXT_INPUTS or value is None or _config_setting(module, name, value):
+                continue
+            if name in TYPE_KEYS:
                 return (
-                    f"`{IMPLEMENTATION}`: the model was given `{name}`; under CP a rank takes its shard of a "
-                    "text batch only (input_ids or inputs_embeds, attention_mask, position_ids, labels): "
-                    "image, audio and other inputs are not split across CP ranks"
+                    f"`{IMPLEMENTATION}`: the model was given `{name}` directly; under CP pass it in the "
+                    "batch to hf.shard_batch, which takes a text-only batch's (all 0) and refuses images'"
                 )
+            return (
+                f"`{IMPLEMENTATION}`: the model was given `{name}`; under CP a rank takes its shard of a "
+                "text batch only (input_ids or inputs_embeds, attention_mask, position_ids, labels): "
+                "image, audio and other inputs are not split across CP ranks"
+            )
         return None
 
     @staticmethod
@@ -281,6 +292,17 @@ class ModelInputs:
                 "generation with a cache is not supported under CP"
             )
         return None
+
+
+def _config_setting(module, name, value):
+    """Whether `value`, passed to the hooked forward as `name`, is the model config's own `name`."""
+    if isinstance(value, torch.Tensor):
+        return False
+    setting = getattr(getattr(module, "config", None), name, _UNSET)
+    return setting is not _UNSET and setting == value
+
+
+_UNSET = object()
 
 
 def _creates_cache(module, argument):
@@ -300,7 +322,10 @@ def shard_batch(
 
     batch: `input_ids`, optionally `attention_mask` (1: token, 0: padding), `labels` (-100:
     ignored) and `position_ids` (e.g. restarting at every document of a packed row), as the model
-    takes them without CP. Labels of a sequence classification model, one per row ([B] or [B,
+    takes them without CP; a vision-language processor's `token_type_ids` or `mm_token_type_ids`
+    of a text-only batch (all 0: ValueError where one marks an image or video token) are checked
+    and dropped, the model then running its text path, which a text-only batch takes in one
+    process too. Labels of a sequence classification model, one per row ([B] or [B,
     labels], any float labels), are passed whole, with no shift_labels or count.
     Returns the [B, L] shards, `use_cache=False`, and for labels:
     `shift_labels`, shifted over the *global* sequence (the last token of shard r predicts the first
@@ -318,11 +343,19 @@ def shard_batch(
     """
     group = _group.resolve_group(group)
     check_layout(layout)
-    unknown = sorted(set(batch) - set(BATCH_KEYS))
+    unknown = sorted(set(batch) - set(BATCH_KEYS) - set(TYPE_KEYS))
     if unknown or "input_ids" not in batch:
         raise ValueError(
-            f"`batch` must hold input_ids and optionally {BATCH_KEYS[1:]}, got keys {sorted(batch)}"
+            f"`batch` must hold input_ids and optionally {BATCH_KEYS[1:]} or {TYPE_KEYS}, got keys "
+            f"{sorted(batch)}"
         )
+    for key in TYPE_KEYS:
+        if key in batch and bool(batch[key].ne(0).any()):
+            raise ValueError(
+                f"`batch[{key!r}]` marks image or video tokens (nonzero types): images are not split "
+                "across CP ranks; a text-only batch's types (all 0) are accepted"
+            )
+
     n, r = _group.world_size(group), _group.rank(group)
     B, S = batch["input_ids"].shape
     labels = batch.get("labels")
@@ -340,6 +373,7 @@ def shard_batch(
             raise ValueError(
                 f"`batch[{key!r}]` must be [B, S] = {(B, S)} like input_ids, got {tuple(value.shape)}"
             )
+    batch = {key: value for key, value in batch.items() if key not in TYPE_KEYS}  # all text: dropped
     if S % n:
         raise ValueError(f"the sequence length S={S} must be divisible by the CP size n={n}")
     if layout == "head_tail" and S % (2 * n):

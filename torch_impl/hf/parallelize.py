@@ -243,8 +243,13 @@ def _decoder(model):
     """The language model: the innermost module around the input embeddings whose forward takes an
     attention_mask and position_ids (a multimodal model's text model; OPT's decoder, which its
     causal LM calls directly; Llama 4's text model); ValueError where it is no PreTrainedModel."""
-    embeddings = model.get_input_embeddings()
-    name = next(name for name, module in model.named_modules() if module is embeddings)
+    try:
+        embeddings = model.get_input_embeddings()
+    except NotImplementedError:  # PP-FormulaNet's
+        raise _refuse("", model, "does not say which module embeds its input tokens") from None
+    name = next((name for name, module in model.named_modules() if module is embeddings), None)
+    if name is None:
+        raise _refuse("", model, "does not say which module embeds its input tokens")
     parts = name.split(".")[:-1]
     for depth in range(len(parts), -1, -1):
         module = model.get_submodule(".".join(parts[:depth]))

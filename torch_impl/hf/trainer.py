@@ -1,4 +1,4 @@
-"""`ContextParallelMixin`: transformers' `Trainer` and TRL's `SFTTrainer` made context-parallel.
+"""`ContextParallelMixin`: transformers' `Trainer` and TRL's trainers made context-parallel.
 
     class CPTrainer(hf.ContextParallelMixin, transformers.Trainer): ...
     trainer = CPTrainer(model=model, args=args, train_dataset=..., cp_size=2)
@@ -22,7 +22,11 @@ data-parallel replica's CP ranks. Through the trainers' public methods only:
    evaluation: each process's loss its own mean), the replica's token mean is formed over its CP
    ranks. TRL's RewardTrainer: the model's pooled rewards are whole on every CP rank
    (torch_impl.hf.heads), so each computes the replica's loss; DDP's average over dp x cp undoes
-   the CP size by which select_position's backward sums the ranks' gradients.
+   the CP size by which select_position's backward sums the ranks' gradients. TRL's DPOTrainer
+   and KTOTrainer: their loss is torch_impl.hf.preference's (each row's log-prob summed over the
+   CP ranks by sum_sequence, then TRL's formulas on every CP rank), in the same way. TRL's
+   GRPOTrainer and RLOOTrainer: a replica's CP ranks generate as the dp-only run's process and
+   agree on CP rank 0's completions, then score and train on their shards (torch_impl.hf.rl).
 """
 
 import torch
@@ -30,41 +34,42 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 import torch.nn.functional as F
 
-from torch_impl.hf.inputs import BATCH_KEYS, IGNORE_INDEX, shard_batch
+from torch_impl.hf import preference, rl
+from torch_impl.hf.inputs import BATCH_KEYS, IGNORE_INDEX, TYPE_KEYS, shard_batch
 from torch_impl.hf.parallelize import checkpoint_kwargs, parallelize
 from torch_impl.layout import check as check_layout
 
 # keys TRL's padding-free collator adds for flash-attention kernels: position_ids carry the same
 DROPPED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
-# TRL's trainers whose loss is not a token mean, and what in it CP would compute from a shard alone
-NOT_A_TOKEN_MEAN = {
-    "DPOTrainer": "sums each row's log-probs over its completion",
-    "KTOTrainer": "sums each row's log-probs over its completion",
-    "GRPOTrainer": "generates its rows, then normalises its loss per sequence",
-    "RLOOTrainer": "generates its rows, then normalises its loss per sequence",
-}
 # TRL's trainers whose loss is a function of values per row that every CP rank holds whole (a
 # reward model's pooled logits, torch_impl.hf.heads): each CP rank computes the replica's loss
 ROW_LOSSES = ("RewardTrainer",)
+# TRL's trainers whose loss sums each row's log-probs: computed by torch_impl.hf.preference
+SUMMED_ROWS = tuple(preference.LOSSES)
+# TRL's trainers that generate their rows, then train on them: torch_impl.hf.rl
+ROLLOUTS = tuple(rl.LOSSES)
+SUPPORTED = ("SFTTrainer", *ROW_LOSSES, *SUMMED_ROWS, *ROLLOUTS)
+LOSSES = preference.LOSSES | rl.LOSSES  # the mixin's own loss for these trainers
 
 
 def _trl_trainer(cls):
-    """The TRL trainer class `cls` derives from, or None."""
-    return next((base for base in cls.__mro__ if base.__module__.startswith("trl.trainer.")), None)
+    """The TRL trainer class `cls` derives from (one of trl.trainer's or trl.experimental's), or None."""
+    return next((base for base in cls.__mro__ if base.__module__.startswith("trl.")), None)
 
 
 def check_trainer(cls):
     """ValueError naming the trainer when `cls` (the class mixed with ContextParallelMixin) is one
-    of TRL's trainers other than SFTTrainer and those in ROW_LOSSES: transformers' Trainer and
-    SFTTrainer (a token mean) and RewardTrainer (pooled rows) are the ones the mixin makes exact."""
+    of TRL's trainers other than those SUPPORTED: transformers' Trainer and SFTTrainer (a token
+    mean), RewardTrainer (pooled rows), DPOTrainer and KTOTrainer (summed rows), GRPOTrainer and
+    RLOOTrainer (rollouts) are the ones the mixin makes exact."""
     trl = _trl_trainer(cls)
-    if trl is None or trl.__name__ in ("SFTTrainer", *ROW_LOSSES):
+    if trl is None or (trl.__module__.startswith("trl.trainer.") and trl.__name__ in SUPPORTED):
         return
-    why = NOT_A_TOKEN_MEAN.get(trl.__name__, "has a loss the mixin was not made exact for")
+    name = trl.__name__ if trl.__module__.startswith("trl.trainer.") else f"{trl.__module__}.{trl.__name__}"
     raise ValueError(
-        f"ContextParallelMixin: TRL's {trl.__name__} is not supported: its loss {why}, which each CP "
-        "rank would compute from its own shard of the row; supported: transformers' Trainer and TRL's "
-        f"SFTTrainer and {', '.join(ROW_LOSSES)}"
+        f"ContextParallelMixin: TRL's {name} is not supported: the mixin was not made exact for its "
+        "loss, which each CP rank would compute from its own shard of the row; supported: "
+        f"transformers' Trainer and TRL's {', '.join(SUPPORTED)}"
     )
 
 
@@ -98,8 +103,10 @@ class ContextParallelMixin:
     accumulation, padded rows of any length, packed rows, TRL's defaults: bf16 autocast and
     activation checkpointing, which then keeps the transport's and the attention's outputs as
     `hf.checkpoint_kwargs()` does; rows streamed from an IterableDataset with
-    `accelerator_config={"dispatch_batches": False}`); TRL's RewardTrainer likewise. Refused with
-    ValueError (every rank, before the first step): TRL's other trainers (check_trainer), a
+    `accelerator_config={"dispatch_batches": False}`); TRL's RewardTrainer, DPOTrainer and
+    KTOTrainer likewise, every metric they log. Refused with ValueError (every rank, before the
+    first step): TRL's other trainers (check_trainer), DPO's and KTO's options that
+    torch_impl.hf.preference.refusal names, a
     sequence classification model outside RewardTrainer, accelerate's own CP/SP/TP, FSDP1 and
     DeepSpeed, label smoothing, a `compute_loss_func`, `compute_metrics` and
     `preprocess_logits_for_metrics` (they would see each rank's slice of the logits), a MoE
@@ -113,6 +120,10 @@ class ContextParallelMixin:
             raise ValueError(f"`cp_size` must be a positive int (CP ranks per replica), got {cp_size!r}")
         check_layout(cp_layout)
         check_trainer(type(self))  # before the trainer sets anything up
+        trl = _trl_trainer(type(self))
+        rollouts = trl is not None and trl.__name__ in ROLLOUTS
+        if rollouts:
+            args, kwargs = self._rollout_config(trl.__name__, cp_size, args, kwargs)
         super().__init__(*args, **kwargs)
         world = self.accelerator.num_processes
         if world % cp_size:
@@ -121,9 +132,14 @@ class ContextParallelMixin:
             )
         self._refuse_inexact(type(self))
         self.cp_size, self.cp_layout = cp_size, cp_layout
-        trl = _trl_trainer(type(self))
         self.cp_row_loss = trl is not None and trl.__name__ in ROW_LOSSES
+        self.cp_loss = LOSSES.get(trl.__name__) if trl is not None else None
+        self.cp_rollouts = rollouts
         self.dp_size, self.dp_index = world // cp_size, self.accelerator.process_index // cp_size
+        if rollouts:  # TRL seeds process p with seed + p: a replica's CP ranks as the dp-only process
+            from accelerate.utils import set_seed
+
+            set_seed(self.args.seed + self.dp_index)
         self.cp_group = None
         if cp_size > 1:
             device = "cuda" if self.args.device.type == "cuda" else "cpu"
@@ -131,7 +147,28 @@ class ContextParallelMixin:
             self.cp_group = mesh["cp"].get_group()
         model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT
         parallelize(model, self.cp_group, layout=cp_layout)
+        if getattr(self, "ref_model", None) is not None:  # DPO's and KTO's separate reference model
+            parallelize(self.accelerator.unwrap_model(self.ref_model), self.cp_group, layout=cp_layout)
         _keep_collectives_in_checkpoints(self.model)
+
+    @staticmethod
+    def _rollout_config(name, cp_size, args, kwargs):
+        """GRPO's or RLOO's config (`args`, or its third positional argument), refused where it is not exact,
+        its generation batch counting the dp replicas' rows (torch_impl.hf.rl.replica_config)."""
+        positional = kwargs.get("args") is None and len(args) > 2
+        config = args[2] if positional else kwargs.get("args")
+        if config is None:
+            raise ValueError(
+                f"ContextParallelMixin: TRL's {name} needs its `args` passed: under CP its generation "
+                "batch is sized by the data-parallel replicas, not by the processes"
+            )
+        why = rl.refusal(config)
+        if why is not None:
+            raise ValueError(f"ContextParallelMixin: TRL's {name} with {why}")
+        config = rl.replica_config(config, cp_size)
+        if positional:
+            return (*args[:2], config, *args[3:]), kwargs
+        return args, kwargs | {"args": config}
 
     def _refuse_inexact(self, cls):
         """ValueError for what would not equal the dp-only run (the same on every rank)."""
@@ -177,6 +214,14 @@ class ContextParallelMixin:
                 "router_aux_loss_coef=0.0 (SFTConfig, or the model config with output_router_logits)"
             )
         trl = _trl_trainer(cls)
+        if trl is not None and trl.__name__ in SUMMED_ROWS + ROLLOUTS:  # the mixin's own loss
+            if trl.__name__ in SUMMED_ROWS:
+                why = preference.refusal(self, trl.__name__)
+            else:
+                why = rl.refusal(self.args, self)
+            if why is not None:
+                raise ValueError(f"ContextParallelMixin: TRL's {trl.__name__} with {why}")
+            return
         if trl is not None and trl.__name__ in ROW_LOSSES:  # its loss reads the model's pooled logits
             return
         model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT
@@ -230,6 +275,13 @@ class ContextParallelMixin:
     # --- the loss -----------------------------------------------------------------------------
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.cp_loss is not None:  # TRL's DPO, KTO, GRPO, RLOO: the replica's loss on every CP rank
+            if return_outputs:
+                raise ValueError(
+                    "ContextParallelMixin: return_outputs=True (the logits) is not supported: each CP rank "
+                    "holds only its slice of them"
+                )
+            return self.cp_loss(self, model, inputs)
         local = self.shard(inputs)
         if self.cp_size == 1 or self.cp_row_loss:  # the replica's loss on every CP rank
             return super().compute_loss(model, local, return_outputs, num_items_in_batch)
@@ -259,16 +311,53 @@ class ContextParallelMixin:
             self.gather_function = self._gather_replicas  # the trainer resets it when the loop ends
         return super().evaluation_loop(*args, **kwargs)
 
-    def _gather_replicas(self, data):
-        """The trainer's gather of per-batch values, over the dp replicas (a replica's CP ranks
-        hold the same): one CP rank's values per replica, the last batch cut to the dataset's
-        remainder as accelerate's gather_for_metrics does over dp processes."""
-        gathered = self.accelerator.gather(data)  # [processes * n, ...], by rank
-        replicas = gathered.unflatten(0, (self.accelerator.num_processes, -1))[:: self.cp_size].flatten(0, 1)
-        state = self.accelerator.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
+    def _gather_replicas(self, data, cut=True):
+        """The trainer's gather of per-batch values [n, ...], over the dp replicas (a replica's CP
+        ranks hold the same): one CP rank's values per replica, [dp * n, ...], and where `cut`,
+        the last batch cut to the dataset's remainder as accelerate's gather_for_metrics does over
+        dp processes."""
+        accelerator = getattr(self.accelerator, "world", self.accelerator)  # not rl.ReplicaView's
+        gathered = accelerator.gather(data)  # [processes * n, ...], by rank
+        replicas = gathered.unflatten(0, (accelerator.num_processes, -1))[:: self.cp_size].flatten(0, 1)
+        state = accelerator.gradient_state
+        if cut and state.end_of_dataloader and state.remainder > 0:
             replicas = replicas[: state.remainder]
         return replicas
+
+    # --- TRL's GRPO and RLOO: generation as the dp-only run's, scoring on the shards (torch_impl.hf.rl) -----
+
+    def _generate_single_turn(self, *args, **kwargs):
+        generated = super()._generate_single_turn(*args, **kwargs)
+        if not self.cp_rollouts or self.cp_size == 1:
+            return generated
+        if isinstance(generated, tuple):  # GRPO's (completion ids, vLLM's log-probs or None)
+            return rl.agree(self, generated[0]), generated[1]
+        return rl.agree(self, generated)  # the replica's CP ranks: CP rank 0's rows
+
+    def _generate_and_score_completions(self, inputs):
+        if not self.cp_rollouts:
+            return super()._generate_and_score_completions(inputs)
+        restated = rl.SCORED.get(_trl_trainer(type(self)).__name__)  # RLOO's: its sums inline
+        with rl.as_replicas(self):
+            if restated is not None:
+                return restated(self, inputs)
+            return super()._generate_and_score_completions(inputs)
+
+    def _calculate_rewards(self, *args, **kwargs):
+        rewards = super()._calculate_rewards(*args, **kwargs)  # gathered over every process
+        return rl.one_per_replica(self, rewards) if self.cp_rollouts and self.cp_size > 1 else rewards
+
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **more
+    ):
+        if not self.cp_rollouts:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, **more
+            )
+        logps, entropies = rl.scores(
+            self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy
+        )
+        return logps, entropies, None  # this rank's tokens [B, L]; no aux loss (refused)
 
     def shard(self, inputs):
         """This rank's model inputs from the trainer's global batch: TRL's flash-attention keys
@@ -276,7 +365,7 @@ class ContextParallelMixin:
         of cp (2 cp for head_tail), then `hf.shard_batch` without its count (the trainer's own,
         over all replicas, is passed)."""
         inputs = {key: value for key, value in inputs.items() if key not in DROPPED_KEYS}
-        batch = {key: inputs.pop(key) for key in BATCH_KEYS if key in inputs}
+        batch = {key: inputs.pop(key) for key in BATCH_KEYS + TYPE_KEYS if key in inputs}
         S = batch["input_ids"].shape[1]
         multiple = self.cp_size * (2 if self.cp_layout == "head_tail" else 1)
         pad = -S % multiple
@@ -286,6 +375,7 @@ class ContextParallelMixin:
                 "input_ids": self._pad_id(),
                 "attention_mask": 0,
                 "position_ids": 0,
+                **dict.fromkeys(TYPE_KEYS, 0),
             }
             batch = {key: F.pad(value, (0, pad), value=fill[key]) for key, value in batch.items()}
         local = shard_batch(batch, self.cp_group, layout=self.cp_layout)
