@@ -4,9 +4,10 @@
     python -m benchmarks.dpo_cost [--lens 1024,4096] [--reps 3] [--json docs/results/dpo_cost.json]
 
 A step: the trainer's `compute_loss` on one preference pair (chosen and rejected rows, the last
-7/8 of each the completion), then backward: the policy's forward through TRL's fused LM head and
-its backward, the frozen reference model's forward, each row's completion log-prob
-(`sum_sequence`), TRL's sigmoid loss and every metric it logs. Variants, per tokens-per-rank L:
+7/8 of each the completion), then backward: TRL's own loss on whole rows, the policy's rows sharded
+and its fused LM head's per-token outputs gathered back over the row (torch_impl.hf.whole_rows),
+the frozen reference model the same way, the sigmoid loss and every metric TRL logs. Variants,
+per tokens-per-rank L:
 
   alone       the plain DPOTrainer on rows of L tokens: what the rank's own tokens cost
   torch_impl  the mixin's DPOTrainer, cp 8, as rank 7 of rows of 8 L tokens (every buffer and
@@ -18,8 +19,8 @@ attention reads as many keys as the rank alone's: a global layer's 8x keys would
 float32, activation checkpointing (DPOConfig's default). Each (variant, L) in a fresh process:
 the peak resident set above the resident set after a warm-up step (glibc returning freed blocks at
 once: cp_support.launch.RANK_ENV), and the median time of `--reps` steps. One more step is counted
-(cp_support.traffic): the bytes of the all-reduces (the row values and the metrics' totals, which
-do not grow with L) and of every collective.
+(cp_support.traffic): the bytes of the all-gathers (the per-token outputs, B x S x itemsize each,
+and the metrics' gathers), of the all-reduces, and of every collective.
 """
 
 import argparse
@@ -39,6 +40,7 @@ from cp_support.memory import peak_mib, reset_peak
 from cp_support.traffic import PayloadCounter
 
 VARIANTS = ("alone", "torch_impl")
+GATHERS = ("_allgather_base_", "allgather_into_tensor_coalesced_", "allgather_", "all_gather_into_tensor")
 N = 8
 VOCAB = 256
 
@@ -124,6 +126,8 @@ def child(args, build=trainer):
                 step()
             reduced = [c for c in counter.log if c.op == "allreduce_"]
             row |= {"allreduce_bytes": sum(c.received for c in reduced), "allreduce_calls": len(reduced)}
+            gathered = [c for c in counter.log if c.op in GATHERS]
+            row |= {"allgather_bytes": sum(c.received for c in gathered), "allgather_calls": len(gathered)}
             row["received_bytes"] = counter.received
     print(json.dumps(row))
 

@@ -337,8 +337,8 @@ def trainer_cost(data):
 def dpo_cost(data):
     lines = [
         "| tokens per rank L (S = 8 L) | alone: peak MiB, ms | torch_impl: peak MiB, ms (x alone) "
-        "| all-reduced bytes (calls) | received in all |",
-        "|---|---|---|---|---|",
+        "| all-gathered MiB (calls) | all-reduced bytes (calls) | received in all |",
+        "|---|---|---|---|---|---|",
     ]
     for L in sorted({r["L"] for r in data["rows"]}):
         alone, cp = (
@@ -348,6 +348,7 @@ def dpo_cost(data):
             f"| {L} ({8 * L}) | {alone['peak_mib']:.0f}, {alone['ms']:.0f} "
             f"| {cp['peak_mib']:.0f}, {cp['ms']:.0f} "
             f"({ratio(cp['peak_mib'], alone['peak_mib'])}, {ratio(cp['ms'], alone['ms'])}) | "
+            f"{mib(cp['allgather_bytes'])} ({cp['allgather_calls']}) | "
             f"{cp['allreduce_bytes']} ({cp['allreduce_calls']}) | {mib(cp['received_bytes'])} MiB |"
         )
     return f"{chr(10).join(lines)}\n\n{provenance(data)}"

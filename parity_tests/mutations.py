@@ -57,25 +57,33 @@ MUTATIONS = [
         "return _all_reduce(grad, ctx.group) * dist.get_world_size(ctx.group), None",
         ("parity_tests/test_reductions.py", "-k", "parity", "-x"),
     ),
-    Mutation(  # DPO's per-row completion lengths (IPO's normaliser) counted on the local shard
-        "dpo_length_counted_on_the_local_shard",
-        "torch_impl/hf/preference.py",
-        "lengths = completion.sum(dim=1).clamp(min=1.0).chunk(2)  # per row, from the global mask",
-        "lengths = counted.sum(dim=1).clamp(min=1.0).chunk(2)",
-        ("parity_tests/test_trainer.py", "-k", "dpo_mistral_head_tail"),
+    Mutation(  # the fused head's outputs gathered in the ranks' order, not the rows' (head_tail)
+        "whole_row_outputs_gathered_in_local_order",
+        "torch_impl/hf/whole_rows.py",
+        "fields[name] = gather_sequence(value, group, layout=layout)[:, :positions]",
+        "fields[name] = gather_sequence(value, group)[:, :positions]",
+        ("parity_tests/test_whole_rows.py", "-k", "head_tail"),
     ),
-    Mutation(  # DPO's SFT term: the chosen tokens counted on the local shard
-        "dpo_sft_tokens_counted_on_the_local_shard",
-        "torch_impl/hf/preference.py",
-        "chosen_tokens = completion[: len(chosen_logps), 1:].sum()",
-        "chosen_tokens = counted[: len(chosen_logps)].sum()",
-        ("parity_tests/test_trainer.py", "-k", "dpo_mistral_head_tail"),
+    Mutation(  # the labels shifted within each shard: a shard's last token predicts its own first
+        "whole_row_labels_shifted_within_the_shard",
+        "torch_impl/hf/whole_rows.py",
+        'del local["labels"]',
+        'local["shift_labels"] = local.pop("labels").roll(-1, 1)',
+        ("parity_tests/test_trainer.py", "-k", "dpo_llama or kto_llama"),
     ),
-    Mutation(  # a DPO row's log-prob summed over the local shard only
-        "dpo_row_sum_left_local",
-        "torch_impl/hf/preference.py",
-        "return sum_sequence(outputs.log_probs, t.cp_group), outputs, counted",
-        "return outputs.log_probs.sum(1), outputs, counted",
+    Mutation(  # the gather's backward averaging the ranks' gradients of a position, not summing them
+        "gather_backward_averages_the_ranks",
+        "torch_impl/sequence.py",
+        "return reduce_scatter(grad_output, ctx.group, ctx.layout), None, None",
+        "return reduce_scatter(grad_output / _group.world_size(ctx.group), ctx.group, ctx.layout), "
+        "None, None",
+        ("parity_tests/test_whole_rows.py",),
+    ),
+    Mutation(  # DPO's and KTO's loss scaled by the CP size on top of the gather's sum over ranks
+        "whole_row_loss_scaled_twice_by_the_cp_size",
+        "torch_impl/hf/trainer.py",
+        "            return whole\n",
+        "            return whole * self.cp_size\n",
         ("parity_tests/test_trainer.py", "-k", "dpo_llama or kto_llama"),
     ),
     Mutation(  # a replica's CP ranks keep the completions each sampled (their random states differ)
@@ -84,20 +92,6 @@ MUTATIONS = [
         "dist.broadcast_object_list(sent, src=dist.get_global_rank(t.cp_group, 0), group=t.cp_group)",
         "sent = [completion_ids, _random_states()]",
         ("parity_tests/test_trainer.py", "-k", "grpo_llama or rloo_llama"),
-    ),
-    Mutation(  # GRPO's per-sequence normaliser (loss type grpo) counted on the local shard
-        "grpo_length_counted_on_the_local_shard",
-        "torch_impl/hf/rl.py",
-        "lengths = completion_mask.sum(-1).to(per_token_logps.dtype)",
-        "lengths = mask.sum(-1).to(per_token_logps.dtype)",
-        ("parity_tests/test_trainer.py", "-k", "grpo_gemma3_head_tail_kl"),
-    ),
-    Mutation(  # GRPO's sequence-level importance ratio from the local tokens only
-        "grpo_sequence_ratio_from_the_local_tokens",
-        "torch_impl/hf/rl.py",
-        "log_weights = (rows(log_ratio) / lengths.clamp(min=1.0)).unsqueeze(-1)",
-        "log_weights = ((log_ratio * mask).sum(-1) / lengths.clamp(min=1.0)).unsqueeze(-1)",
-        ("parity_tests/test_trainer.py", "-k", "grpo_gemma3_head_tail_kl"),
     ),
     Mutation(  # GRPO's rewards, gathered over every process, grouped with the CP ranks' copies
         "grpo_advantages_over_the_cp_group",
@@ -113,18 +107,11 @@ MUTATIONS = [
         "set_seed(self.args.seed + self.accelerator.process_index)",
         ("parity_tests/test_trainer.py", "-k", "grpo"),
     ),
-    Mutation(  # RLOO's row log-prob in the loss (its ratio to the old policy's) from the local tokens
-        "rloo_row_logprob_from_the_local_tokens",
+    Mutation(  # RLOO's KL penalty in the reward gathered over every process, not over the replicas
+        "rloo_kl_penalty_gathered_over_every_process",
         "torch_impl/hf/rl.py",
-        'log_ratio = sum_sequence(per_token_logps, t.cp_group, mask) - inputs["old_logps"]',
-        'log_ratio = torch.where(mask, per_token_logps, 0).sum(1) - inputs["old_logps"]',
-        ("parity_tests/test_trainer.py", "-k", "rloo"),
-    ),
-    Mutation(  # RLOO's KL penalty in the reward: a row's sum from the local tokens
-        "rloo_kl_penalty_from_the_local_tokens",
-        "torch_impl/hf/rl.py",
-        "kl = t.accelerator.gather(sum_sequence(per_token_kl, t.cp_group, mask))",
-        "kl = t.accelerator.gather(torch.where(mask, per_token_kl, 0).sum(1))",
+        "kl = t.accelerator.gather((per_token_kl * completion_mask).sum(-1))",
+        "kl = t.accelerator.world.gather((per_token_kl * completion_mask).sum(-1))",
         ("parity_tests/test_trainer.py", "-k", "rloo_llama"),
     ),
     Mutation(  # a sequence whose last strip is partial loses it

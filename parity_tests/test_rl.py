@@ -1,20 +1,14 @@
-"""TRL's GRPO loss as ContextParallelMixin computes it (torch_impl.hf.rl: per-token values of a
-rank's own tokens, each row's sums through `sum_sequence`, TRL's formulas restated) equals TRL's
-own `_compute_loss` in one process (cp_size 1), for every loss type, both importance-sampling
-levels and the options the mixin accepts: the loss, its gradient and every metric logged. RLOO's
-restated scoring and loss likewise against TRL's `_generate_and_score_completions` and
-`_compute_loss`, for each option they read. The trainers over CP ranks against the runs without
-CP: test_trainer.py. What is not exact is refused in `__init__`.
+"""RLOO's scoring as ContextParallelMixin restates it (torch_impl.hf.rl.rloo_scored: TRL 1.16's,
+its module-level gather of each row's KL penalty over the dp replicas) equals TRL's own
+`_generate_and_score_completions` in one process (cp_size 1), for each option it reads: the same
+completions, old log-probs, advantages, loss, gradient and every metric. GRPO's and RLOO's losses
+are TRL's own (torch_impl.hf.whole_rows); the trainers over CP ranks against the runs without CP:
+test_trainer.py. What is not exact is refused in `__init__`.
 
-The batch: completions TRL's generation sampled, with old-policy and reference log-probs moved
-off the policy's (so that ratios clip and the KL is not zero). The bound: TRL's fused LM head
-computes each token's log-prob in float32 in both paths, from a float64 model whose norms
-transformers rounds through float32; a float32 sum over a row's completion (at most 12 tokens)
-or a batch's (at most 48) rounds in another order: every value within 64 u32 of the largest
-magnitude it is built from.
+The bound: TRL's fused LM head computes each token's log-prob in float32 in both paths; a float32
+sum over a row's completion (at most 12 tokens) or a batch's (at most 48) rounds in another order:
+every value within 64 u32 of the largest magnitude it is built from.
 """
-
-import types
 
 import pytest
 import torch
@@ -22,7 +16,6 @@ from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from parity_tests import bounds, trainer_jobs
 from torch_impl import hf
-from torch_impl.hf.rl import LOSS_TYPES, scores
 
 U32 = bounds.u(torch.float32)
 R = 64 * U32
@@ -43,47 +36,17 @@ def _trainer(tmp_path, **overrides):
     )
 
 
-def _batch(t):
-    """A generated batch in the mixin's layout (per-token values at each token's own position, the
-    one before the token it scores) and in TRL's ([B, C] over the completion), the old-policy and
-    reference log-probs moved off the policy's by seeded noise."""
-    t.model.train()
-    t.current_gradient_accumulation_steps = t.args.gradient_accumulation_steps  # set by train()
-    mine = t._prepare_inputs(next(iter(t.get_train_dataloader())))
-    P, C = mine["prompt_ids"].size(1), mine["completion_ids"].size(1)
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.cat([mine["prompt_ids"], mine["completion_ids"]], dim=1)
-    attention = torch.cat([mine["prompt_mask"], mine["completion_mask"]], dim=1)
-    with torch.no_grad():
-        policy, _ = scores(t, t.model, ids, attention, C)
-    for key in ("old_per_token_logps", "ref_per_token_logps"):
-        mine[key] = policy + 0.3 * torch.randn(policy.shape, generator=generator, dtype=policy.dtype)
-    theirs = dict(mine)
-    for key in ("old_per_token_logps", "ref_per_token_logps"):
-        theirs[key] = mine[key][:, P - 1 : P - 1 + C]
-    return mine, theirs
-
-
-def _both(t, mine, theirs):
-    """(loss, grads, metrics) from TRL's own _compute_loss (with TRL's scoring) and the mixin's."""
-    results = []
-    trl_scores = types.MethodType(GRPOTrainer._get_per_token_logps_and_entropies, t)
-    for batch, scoring in ((theirs, trl_scores), (mine, None)):
-        if scoring is not None:
-            t._get_per_token_logps_and_entropies = scoring
-        try:
-            t.model.zero_grad()
-            t._metrics["train"].clear()
-            t._entropy_window_stats, t._last_world_entropy = None, float("inf")
-            coef = t.entropy_coef
-            loss = (GRPOTrainer._compute_loss if scoring else type(t).compute_loss)(t, t.model, batch)
-            t.entropy_coef = coef  # the adaptive controller's step, taken once per side
-            loss.backward()
-        finally:
-            t.__dict__.pop("_get_per_token_logps_and_entropies", None)
-        grads = {k: p.grad.clone() for k, p in t.model.named_parameters() if p.grad is not None}
-        results.append((loss.detach(), grads, {k: list(v) for k, v in t._metrics["train"].items()}))
-    return results
+@pytest.mark.parametrize(
+    "option,says",
+    [
+        ({"use_vllm": True}, "`use_vllm`"),  # before TRL's own check that vLLM is installed
+        ({"use_liger_kernel": True}, "`use_liger_kernel`"),
+        ({"use_transformers_continuous_batching": True}, "`use_transformers_continuous_batching`"),
+    ],
+)
+def test_what_is_not_exact_is_refused_in_init(tmp_path, option, says):
+    with pytest.raises(ValueError, match=f"TRL's GRPOTrainer with {says}"):
+        _trainer(tmp_path, **option)
 
 
 def _check(got, want, what):
@@ -97,50 +60,6 @@ def _check(got, want, what):
     for key, values in want_metrics.items():
         for g, w in zip(metrics[key], values, strict=True):
             bounds.check(abs(g - w), R * max(abs(w), 1.0), f"{what} {key}")
-
-
-VARIANTS = (
-    [{"loss_type": kind} for kind in LOSS_TYPES]
-    + [{"loss_type": kind, "importance_sampling_level": "sequence"} for kind in LOSS_TYPES]
-    + [
-        {"loss_type": "grpo", "beta": 0.0},
-        {"loss_type": "dapo", "use_bias_correction_kl": True, "delta": 1.2},
-        {"loss_type": "dapo", "off_policy_mask_threshold": 0.05},
-        {"loss_type": "grpo", "top_entropy_quantile": 0.5},
-        {"loss_type": "bnpo", "entropy_coef": 0.01},
-        {"loss_type": "dapo", "use_adaptive_entropy": True, "top_entropy_quantile": 0.5},
-    ]
-)
-ARGS = ("use_bias_correction_kl", "delta")  # read from t.args; the rest from the trainer's own
-
-
-def test_grpo_loss_is_trls_for_every_loss_type(tmp_path):
-    t = _trainer(tmp_path, epsilon=0.1)  # with the noise above, ratios clip on both sides
-    mine, theirs = _batch(t)
-    defaults = {
-        "loss_type": "dapo", "importance_sampling_level": "token", "beta": 0.04,
-        "off_policy_mask_threshold": None, "top_entropy_quantile": 1.0, "entropy_coef": 0.0,
-        "use_adaptive_entropy": False, "use_bias_correction_kl": False, "delta": None,
-    }  # fmt: skip
-    for variant in VARIANTS:
-        for key, value in (defaults | variant).items():
-            setattr(t.args if key in ARGS else t, key, value)
-        t._entropy_bonus_enabled = t.entropy_coef != 0.0 or t.use_adaptive_entropy
-        want, got = _both(t, mine, theirs)
-        _check(got, want, str(variant))
-
-
-@pytest.mark.parametrize(
-    "option,says",
-    [
-        ({"use_vllm": True}, "`use_vllm`"),  # before TRL's own check that vLLM is installed
-        ({"use_liger_kernel": True}, "`use_liger_kernel`"),
-        ({"use_transformers_continuous_batching": True}, "`use_transformers_continuous_batching`"),
-    ],
-)
-def test_what_is_not_exact_is_refused_in_init(tmp_path, option, says):
-    with pytest.raises(ValueError, match=f"TRL's GRPOTrainer with {says}"):
-        _trainer(tmp_path, **option)
 
 
 def _rloo(tmp_path):
@@ -178,33 +97,27 @@ def test_rloo_scoring_and_loss_are_trls(tmp_path):
     t.model.train()
     t.current_gradient_accumulation_steps = t.args.gradient_accumulation_steps  # set by train()
     prompts = next(iter(t.get_train_dataloader()))
-    trl_scores = types.MethodType(RLOOTrainer._get_per_token_logps_and_entropies, t)
     defaults = {"beta": 0.05, "mask_truncated_completions": False, "reward_clip_range": None}
     for variant in RLOO_VARIANTS:
         for key, value in (defaults | {"normalize_advantages": False} | variant).items():
             setattr(t, key, value)
         sides = []
         for theirs in (True, False):
-            if theirs:
-                t._get_per_token_logps_and_entropies = trl_scores
-            try:
-                torch.manual_seed(0)
-                t.state.num_input_tokens_seen = 0
-                t._metrics["train"].clear()
-                score = (
-                    RLOOTrainer._generate_and_score_completions
-                    if theirs
-                    else type(t)._generate_and_score_completions
-                )
-                batch = score(t, prompts)
-                generator = torch.Generator().manual_seed(1)
-                noise = 0.3 * torch.randn(batch["old_logps"].shape, generator=generator)
-                batch["old_logps"] = batch["old_logps"] + noise.to(batch["old_logps"].dtype)
-                t.model.zero_grad()
-                loss = (RLOOTrainer._compute_loss if theirs else type(t).compute_loss)(t, t.model, batch)
-                loss.backward()
-            finally:
-                t.__dict__.pop("_get_per_token_logps_and_entropies", None)
+            torch.manual_seed(0)
+            t.state.num_input_tokens_seen = 0
+            t._metrics["train"].clear()
+            score = (
+                RLOOTrainer._generate_and_score_completions
+                if theirs
+                else type(t)._generate_and_score_completions
+            )
+            batch = score(t, prompts)
+            generator = torch.Generator().manual_seed(1)
+            noise = 0.3 * torch.randn(batch["old_logps"].shape, generator=generator)
+            batch["old_logps"] = batch["old_logps"] + noise.to(batch["old_logps"].dtype)
+            t.model.zero_grad()
+            loss = type(t).compute_loss(t, t.model, batch)
+            loss.backward()
             grads = {k: p.grad.clone() for k, p in t.model.named_parameters() if p.grad is not None}
             sides.append(
                 (batch, (loss.detach(), grads, {k: list(v) for k, v in t._metrics["train"].items()}))

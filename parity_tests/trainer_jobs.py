@@ -81,16 +81,25 @@ CASES = {
     "reward_llama_trl_defaults": ("reward", "llama", "head_tail", {"args": {"bf16": None}}),
     # DPO on chosen / rejected completions of 2 to 30 words after prompts of 3 to 6, padded on the
     # right: a separate reference model (other weights), IPO and SFT terms (per-row and batch
-    # token counts), LoRA (the reference: the adapter off), precomputed reference log-probs,
-    # FSDP2, TRL's defaults (bf16 autocast, activation checkpointing)
+    # token counts) with LD-DPO's tail weight (positions within a completion), LoRA (the
+    # reference: the adapter off) with WPO's weights (the head's log-sum of squared
+    # probabilities; TRL's SFT term cannot take them), precomputed reference log-probs, FSDP2,
+    # TRL's defaults (bf16 autocast, activation checkpointing)
     "dpo_llama": ("dpo", "llama", "contiguous", {"ref": True}),
     "dpo_mistral_head_tail": (
         "dpo",
         "mistral",
         "head_tail",
-        {"ref": True, "args": {"loss_type": ["sigmoid", "ipo", "sft"], "loss_weights": [1.0, 0.5, 0.2]}},
+        {
+            "ref": True,
+            "args": {
+                "loss_type": ["sigmoid", "ipo", "sft"],
+                "loss_weights": [1.0, 0.5, 0.2],
+                "ld_alpha": 0.5,
+            },
+        },
     ),
-    "dpo_llama_lora": ("dpo", "llama", "contiguous", {"lora": True}),
+    "dpo_llama_lora": ("dpo", "llama", "contiguous", {"lora": True, "args": {"use_weighting": True}}),
     "dpo_llama_precomputed": ("dpo", "llama", "head_tail", {"args": {"precompute_ref_log_probs": True}}),
     "dpo_llama_fsdp2": ("dpo", "llama", "contiguous", {"ref": True, "fsdp": True}),
     # under bf16 autocast TRL's fused LM head computes in bfloat16 (its kernel takes the autocast

@@ -23,18 +23,20 @@ data-parallel replica's CP ranks. Through the trainers' public methods only:
    ranks. TRL's RewardTrainer: the model's pooled rewards are whole on every CP rank
    (torch_impl.hf.heads), so each computes the replica's loss; DDP's average over dp x cp undoes
    the CP size by which select_position's backward sums the ranks' gradients. TRL's DPOTrainer
-   and KTOTrainer: their loss is torch_impl.hf.preference's (each row's log-prob summed over the
-   CP ranks by sum_sequence, then TRL's formulas on every CP rank), in the same way. TRL's
+   and KTOTrainer: their own loss on every CP rank, over whole rows, the model's fused LM head
+   sharding them and gathering its per-token outputs (torch_impl.hf.whole_rows). TRL's
    GRPOTrainer and RLOOTrainer: a replica's CP ranks generate as the dp-only run's process and
    agree on CP rank 0's completions, then score and train on their shards (torch_impl.hf.rl).
 """
+
+import contextlib
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 import torch.nn.functional as F
 
-from torch_impl.hf import preference, rl
+from torch_impl.hf import rl, whole_rows
 from torch_impl.hf.inputs import BATCH_KEYS, IGNORE_INDEX, TYPE_KEYS, shard_batch
 from torch_impl.hf.parallelize import checkpoint_kwargs, parallelize
 from torch_impl.layout import check as check_layout
@@ -44,12 +46,11 @@ DROPPED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"
 # TRL's trainers whose loss is a function of values per row that every CP rank holds whole (a
 # reward model's pooled logits, torch_impl.hf.heads): each CP rank computes the replica's loss
 ROW_LOSSES = ("RewardTrainer",)
-# TRL's trainers whose loss sums each row's log-probs: computed by torch_impl.hf.preference
-SUMMED_ROWS = tuple(preference.LOSSES)
-# TRL's trainers that generate their rows, then train on them: torch_impl.hf.rl
-ROLLOUTS = tuple(rl.LOSSES)
-SUPPORTED = ("SFTTrainer", *ROW_LOSSES, *SUMMED_ROWS, *ROLLOUTS)
-LOSSES = preference.LOSSES | rl.LOSSES  # the mixin's own loss for these trainers
+# TRL's trainers whose own loss runs on whole rows, scored through the hooked fused LM head
+WHOLE_ROWS = whole_rows.TRAINERS
+# of those, the ones that generate their rows first: torch_impl.hf.rl
+ROLLOUTS = ("GRPOTrainer", "RLOOTrainer")
+SUPPORTED = ("SFTTrainer", *ROW_LOSSES, *WHOLE_ROWS)
 
 
 def _trl_trainer(cls):
@@ -60,7 +61,7 @@ def _trl_trainer(cls):
 def check_trainer(cls):
     """ValueError naming the trainer when `cls` (the class mixed with ContextParallelMixin) is one
     of TRL's trainers other than those SUPPORTED: transformers' Trainer and SFTTrainer (a token
-    mean), RewardTrainer (pooled rows), DPOTrainer and KTOTrainer (summed rows), GRPOTrainer and
+    mean), RewardTrainer (pooled rows), DPOTrainer and KTOTrainer (whole rows), GRPOTrainer and
     RLOOTrainer (rollouts) are the ones the mixin makes exact."""
     trl = _trl_trainer(cls)
     if trl is None or (trl.__module__.startswith("trl.trainer.") and trl.__name__ in SUPPORTED):
@@ -103,15 +104,15 @@ class ContextParallelMixin:
     accumulation, padded rows of any length, packed rows, TRL's defaults: bf16 autocast and
     activation checkpointing, which then keeps the transport's and the attention's outputs as
     `hf.checkpoint_kwargs()` does; rows streamed from an IterableDataset with
-    `accelerator_config={"dispatch_batches": False}`); TRL's RewardTrainer, DPOTrainer and
-    KTOTrainer likewise, every metric they log. Refused with ValueError (every rank, before the
-    first step): TRL's other trainers (check_trainer), DPO's and KTO's options that
-    torch_impl.hf.preference.refusal names, a
-    sequence classification model outside RewardTrainer, accelerate's own CP/SP/TP, FSDP1 and
-    DeepSpeed, label smoothing, a `compute_loss_func`, `compute_metrics` and
-    `preprocess_logits_for_metrics` (they would see each rank's slice of the logits), a MoE
-    router's auxiliary loss (TRL switches it on for MoE models: `router_aux_loss_coef=0.0` turns it
-    off), a model whose forward takes no `num_items_in_batch`, an IterableDataset dispatched from
+    `accelerator_config={"dispatch_batches": False}`); TRL's RewardTrainer, DPOTrainer,
+    KTOTrainer, GRPOTrainer and RLOOTrainer likewise, every metric they log. Refused with
+    ValueError (every rank, before the first step): TRL's other trainers (check_trainer), the
+    options that torch_impl.hf.whole_rows.refusal and torch_impl.hf.rl.refusal name, a sequence
+    classification model outside RewardTrainer, accelerate's own CP/SP/TP, FSDP1 and DeepSpeed,
+    label smoothing, a `compute_loss_func`, `compute_metrics` and `preprocess_logits_for_metrics`
+    (they would see each rank's slice of the logits), a MoE router's auxiliary loss (TRL switches
+    it on for MoE models: `router_aux_loss_coef=0.0` turns it off), a model whose forward takes
+    no `num_items_in_batch`, an IterableDataset dispatched from
     rank 0 (accelerate's default), and `predict()`.
     """
 
@@ -133,7 +134,8 @@ class ContextParallelMixin:
         self._refuse_inexact(type(self))
         self.cp_size, self.cp_layout = cp_size, cp_layout
         self.cp_row_loss = trl is not None and trl.__name__ in ROW_LOSSES
-        self.cp_loss = LOSSES.get(trl.__name__) if trl is not None else None
+        self.cp_whole_row_loss = trl is not None and trl.__name__ in WHOLE_ROWS
+        self.cp_whole_rows = False  # whole_rows.as_replicas sets it for the loss
         self.cp_rollouts = rollouts
         self.dp_size, self.dp_index = world // cp_size, self.accelerator.process_index // cp_size
         if rollouts:  # TRL seeds process p with seed + p: a replica's CP ranks as the dp-only process
@@ -149,6 +151,10 @@ class ContextParallelMixin:
         parallelize(model, self.cp_group, layout=cp_layout)
         if getattr(self, "ref_model", None) is not None:  # DPO's and KTO's separate reference model
             parallelize(self.accelerator.unwrap_model(self.ref_model), self.cp_group, layout=cp_layout)
+        if self.cp_whole_row_loss and cp_size > 1:
+            for scorer in (self.model, getattr(self, "ref_model", None)):
+                if scorer is not None:
+                    whole_rows.hook(self, self.accelerator.unwrap_model(scorer))
         _keep_collectives_in_checkpoints(self.model)
 
     @staticmethod
@@ -214,11 +220,8 @@ class ContextParallelMixin:
                 "router_aux_loss_coef=0.0 (SFTConfig, or the model config with output_router_logits)"
             )
         trl = _trl_trainer(cls)
-        if trl is not None and trl.__name__ in SUMMED_ROWS + ROLLOUTS:  # the mixin's own loss
-            if trl.__name__ in SUMMED_ROWS:
-                why = preference.refusal(self, trl.__name__)
-            else:
-                why = rl.refusal(self.args, self)
+        if trl is not None and trl.__name__ in WHOLE_ROWS:
+            why = rl.refusal(self.args, self) if trl.__name__ in ROLLOUTS else whole_rows.refusal(self)
             if why is not None:
                 raise ValueError(f"ContextParallelMixin: TRL's {trl.__name__} with {why}")
             return
@@ -275,13 +278,10 @@ class ContextParallelMixin:
     # --- the loss -----------------------------------------------------------------------------
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if self.cp_loss is not None:  # TRL's DPO, KTO, GRPO, RLOO: the replica's loss on every CP rank
-            if return_outputs:
-                raise ValueError(
-                    "ContextParallelMixin: return_outputs=True (the logits) is not supported: each CP rank "
-                    "holds only its slice of them"
-                )
-            return self.cp_loss(self, model, inputs)
+        if self.cp_whole_row_loss:  # TRL's DPO, KTO, GRPO, RLOO: the replica's loss on every CP rank
+            with whole_rows.as_replicas(self) if self.cp_size > 1 else contextlib.nullcontext():
+                whole = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            return whole
         local = self.shard(inputs)
         if self.cp_size == 1 or self.cp_row_loss:  # the replica's loss on every CP rank
             return super().compute_loss(model, local, return_outputs, num_items_in_batch)
@@ -316,7 +316,7 @@ class ContextParallelMixin:
         ranks hold the same): one CP rank's values per replica, [dp * n, ...], and where `cut`,
         the last batch cut to the dataset's remainder as accelerate's gather_for_metrics does over
         dp processes."""
-        accelerator = getattr(self.accelerator, "world", self.accelerator)  # not rl.ReplicaView's
+        accelerator = getattr(self.accelerator, "world", self.accelerator)  # not whole_rows.ReplicaView's
         gathered = accelerator.gather(data)  # [processes * n, ...], by rank
         replicas = gathered.unflatten(0, (accelerator.num_processes, -1))[:: self.cp_size].flatten(0, 1)
         state = accelerator.gradient_state
@@ -346,18 +346,6 @@ class ContextParallelMixin:
     def _calculate_rewards(self, *args, **kwargs):
         rewards = super()._calculate_rewards(*args, **kwargs)  # gathered over every process
         return rl.one_per_replica(self, rewards) if self.cp_rollouts and self.cp_size > 1 else rewards
-
-    def _get_per_token_logps_and_entropies(
-        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **more
-    ):
-        if not self.cp_rollouts:
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, **more
-            )
-        logps, entropies = rl.scores(
-            self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy
-        )
-        return logps, entropies, None  # this rank's tokens [B, L]; no aux loss (refused)
 
     def shard(self, inputs):
         """This rank's model inputs from the trainer's global batch: TRL's flash-attention keys
