@@ -491,14 +491,22 @@ def unsharded_calls(group, name, layout):
     return differences, tokens, counter.calls, sharded
 
 
-def sequence_classification(group, family, layout, left):
-    """A *ForSequenceClassification model (pad token 0) under CP against the same model in one
-    process, on rows padded `left` or right: the pooled logits on this rank, the loss summed over
-    the ranks, every parameter's gradient summed over the ranks, and both runs' values."""
-    plain, model = hf_models.build_head("ForSequenceClassification", family), None
-    model = hf_models.build_head("ForSequenceClassification", family)
+def sequence_classification(group, family, layout, left, rows="padded"):
+    """A *ForSequenceClassification model under CP against the same model in one process: the
+    pooled logits on this rank, the loss summed over the ranks, every parameter's gradient summed
+    over the ranks, and both runs' values. `rows`: "padded" (pad token 0, rows padded `left` or
+    right), "all padding" (the same, row 2 every position the pad token: pooled at position 0),
+    "no pad token" (a model without one, batch 1: row 1 pooled at its last position, padding or
+    not)."""
+    pad = None if rows == "no pad token" else 0
+    plain = hf_models.build_head("ForSequenceClassification", family, pad_token_id=pad)
+    model = hf_models.build_head("ForSequenceClassification", family, pad_token_id=pad)
     hf.parallelize(model, group, layout=layout, verbose=False)
     batch = hf_models.make_classification_batch(left=left)
+    if rows == "all padding":
+        batch["input_ids"][2] = 0
+    elif rows == "no pad token":
+        batch = {key: value[1:2] for key, value in batch.items()}
     out = plain(**batch)
     out.loss.backward()
     local = model(**hf.shard_batch(batch, group, layout=layout))

@@ -29,11 +29,29 @@ def test_sequence_classification_pools_as_one_process(pool, family, layout, left
     for group_results in pool.run(grouping, hf_cases.sequence_classification, family, layout, left):
         for logits, want, loss, want_loss, grads in group_results:
             assert logits.shape == want.shape == (3, 2) and logits.dtype == torch.float64
-            scale = want.abs().max()
-            assert (logits - want).abs().max() <= 1000 * EPS * scale, (logits, want)
-            assert abs(loss - want_loss) <= 1000 * EPS * abs(want_loss)
-            for key, (got, expected) in grads.items():
-                assert (got - expected).abs().max() <= 1e4 * EPS * max(expected.abs().max(), 1e-6), key
+            check(logits, want, loss, want_loss, grads)
+
+
+@pytest.mark.parametrize("rows", ["all padding", "no pad token"])
+@pytest.mark.parametrize("layout", ["contiguous", "head_tail"])
+def test_sequence_classification_pools_edge_rows_as_one_process(pool, rows, layout):
+    """A row that is all pad tokens (one process pools its position 0, on the first rank) and a
+    model without a pad token at batch 1 (one process pools the row's last position, on the last
+    rank under contiguous, the first under head_tail), on 2 ranks, to the bounds above."""
+    for group_results in pool.run(
+        ("block", 2), hf_cases.sequence_classification, "llama", layout, False, rows
+    ):
+        for logits, want, loss, want_loss, grads in group_results:
+            assert logits.shape == want.shape and logits.dtype == torch.float64
+            check(logits, want, loss, want_loss, grads)
+
+
+def check(logits, want, loss, want_loss, grads):
+    """The pooled logits, the summed loss and every gradient within the bounds above."""
+    assert (logits - want).abs().max() <= 1000 * EPS * want.abs().max(), (logits, want)
+    assert abs(loss - want_loss) <= 1000 * EPS * abs(want_loss)
+    for key, (got, expected) in grads.items():
+        assert (got - expected).abs().max() <= 1e4 * EPS * max(expected.abs().max(), 1e-6), key
 
 
 @pytest.mark.parametrize("head", ["ForTokenClassification", "ForQuestionAnswering"])

@@ -42,7 +42,8 @@ Modules: `parallelize` (the checks and the plan), one per layer kind (`attention
 sliding; `short_conv`; `recurrent`: linear attention; `indexed`: DeepSeek Sparse Attention),
 `inputs` (`shard_batch` and the base model's pre-hook), `heads` (sequence classification),
 `trainer` (`ContextParallelMixin`: transformers' Trainer and TRL's SFTTrainer, RewardTrainer,
-DPOTrainer and KTOTrainer; `preference`: DPO's and KTO's loss under CP).
+DPOTrainer, KTOTrainer, GRPOTrainer and RLOOTrainer; `whole_rows`: TRL's fused LM head called
+with whole rows, sharded and its outputs gathered; `rl`: GRPO's and RLOO's generation).
 """
 
 from torch_impl.hf._common import IMPLEMENTATION
