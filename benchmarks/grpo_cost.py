@@ -7,10 +7,11 @@ GRPOTrainer on the rank's own tokens.
 The training part of a step: the trainer's `compute_loss` on two generated rows (a prompt of the
 first 1/8, a completion of the rest, advantages +1 and -1), then backward: TRL's own default loss
 (`dapo`) and every metric it logs on whole rows, the policy's rows sharded and its fused LM head's
-per-token outputs gathered back over the row (torch_impl.hf.whole_rows). GRPOConfig's defaults otherwise: `beta` 0 and one pass per generation, so no reference or
-old-policy forward. Generation is not measured: it runs as one process on the whole rollout (the
-parallelized model steps aside), so its memory is one process's, not bounded by CP. The model,
-the variants and what is measured: benchmarks/dpo_cost.py's.
+per-token outputs gathered back over the row (torch_impl.hf.whole_rows). GRPOConfig's defaults
+otherwise: `beta` 0 and one pass per generation, so no reference or old-policy forward.
+Generation is not measured: it runs as one process on the whole rollout (the parallelized model
+steps aside), so its memory is one process's, not bounded by CP. The model, the variants and what
+is measured: benchmarks/dpo_cost.py's.
 """
 
 import json

@@ -84,7 +84,7 @@ MUTATIONS = [
         "torch_impl/hf/trainer.py",
         "            return whole\n",
         "            return whole * self.cp_size\n",
-        ("parity_tests/test_trainer.py", "-k", "dpo_llama or kto_llama"),
+        ("parity_tests/test_trainer.py", "-k", "dpo_llama or kto_llama or grpo_llama"),
     ),
     Mutation(  # a replica's CP ranks keep the completions each sampled (their random states differ)
         "rollout_cp_ranks_sample_their_own_completions",

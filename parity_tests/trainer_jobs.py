@@ -178,6 +178,62 @@ CASES = {
         {"args": {"beta": 0.0, "bf16": None, "gradient_checkpointing": None}, "bf16_head": True},
     ),
 }
+# the option matrix (`make test-all`: test_trainer.py's slow case): TRL's own loss under CP for
+# every DPO loss type (label smoothing 0.1: exo_pair needs it, robust and aot read it) and
+# f-divergence (`steep`: test_trainer.compare's bound), KTO's other loss type, every GRPO loss
+# type at both importance-sampling levels (two passes over each generation, so that ratios leave
+# 1 and clip); Llama, the layouts alternating
+DPO_LOSS_TYPES = (
+    "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+    "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm",
+)  # fmt: skip
+GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+LAYOUTS = ("contiguous", "head_tail")
+MATRIX = {
+    **{
+        f"dpo_{loss}": (
+            "dpo",
+            "llama",
+            LAYOUTS[i % 2],
+            {"ref": True, "args": {"loss_type": [loss], "label_smoothing": 0.1}, "steep": loss == "discopop"},
+        )
+        for i, loss in enumerate(DPO_LOSS_TYPES)
+    },
+    **{
+        f"dpo_{kind}": (
+            "dpo",
+            "llama",
+            LAYOUTS[i % 2],
+            {"ref": True, "args": {"f_divergence_type": kind}, "steep": kind == "forward_kl"},
+        )
+        for i, kind in enumerate(("forward_kl", "js_divergence", "alpha_divergence"))
+    },
+    "kto_apo_zero_unpaired": (
+        "kto",
+        "llama",
+        "head_tail",
+        {"ref": True, "args": {"loss_type": "apo_zero_unpaired"}},
+    ),
+    **{
+        f"grpo_{loss}_{level}": (
+            "grpo",
+            "llama",
+            LAYOUTS[i % 2],
+            {
+                "args": {
+                    "loss_type": loss,
+                    "importance_sampling_level": level,
+                    "num_iterations": 2,
+                    "epsilon": 0.05,
+                }
+            },
+        )
+        for i, (loss, level) in enumerate(
+            (loss, level) for loss in GRPO_LOSS_TYPES for level in ("token", "sequence")
+        )
+    },
+}
+EVERY_CASE = CASES | MATRIX
 STREAMED = {"accelerator_config": {"dispatch_batches": False}}
 # GRPO and RLOO: 2 prompts a generation (a micro-batch: one prompt's 4 completions), TRAINING's
 # SGD steps
@@ -438,12 +494,12 @@ def on_disk(dataset, path):
 
 def initial_params(case):
     """The case's model's parameters before training (hf_models' seeded weights)."""
-    kind, name, _, extra = CASES[case]
+    kind, name, _, extra = EVERY_CASE[case]
     return {k: p.detach() for k, p in model_of(kind, name, extra).named_parameters()}
 
 
 def run(name, cp_size, output_dir):
-    kind, model, layout, extra = CASES[name]
+    kind, model, layout, extra = EVERY_CASE[name]
     t = build(kind, model, layout, extra, cp_size, output_dir)
     t.train()
     evaluated = {k: v for k, v in t.evaluate().items() if not k.endswith(("_runtime", "_per_second"))}
@@ -487,7 +543,7 @@ def gathered(obj):
 def resume(case, cp_size, output_dir):
     """The case's trainer (Gemma 3): 3 steps, a checkpoint after each; then resumed from step 2's
     to step 3. Both runs' parameters and logs, and the last checkpoint's path (the test loads it)."""
-    kind, model, layout, extra = CASES[case]
+    kind, model, layout, extra = EVERY_CASE[case]
     first = build(kind, model, layout, extra, cp_size, output_dir, save_strategy="steps", save_steps=1)
     first.train()
     again = build(kind, model, layout, extra, cp_size, output_dir)
