@@ -62,6 +62,17 @@ def _eager_experts(model):
     return model
 
 
+def _built_in_float64(make):
+    """`make()` with float64 as torch's default dtype, so that buffers made at construction
+    (MiniMax's lightning decays) are float64, not float32-rounded values cast up."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        return make()
+    finally:
+        torch.set_default_dtype(default)
+
+
 def _configs(head_dim=8):
     import transformers as tf
 
@@ -145,6 +156,22 @@ def _configs(head_dim=8):
                 mamba_expand=1,
                 mamba_chunk_size=8,
                 pad_token_id=0,
+            )
+        ),
+        # MiniMax: lightning attention (a decay per head, blocks of 5 tokens: shards end mid-block)
+        # then attention, MoE
+        "minimax": lambda: _built_in_float64(
+            lambda: _eager_experts(
+                tf.MiniMaxForCausalLM(
+                    tf.MiniMaxConfig(
+                        **_small(num_hidden_layers=2),
+                        layer_types=["linear_attention", "full_attention"],
+                        block_size=5,
+                        num_local_experts=4,
+                        num_experts_per_tok=2,
+                        pad_token_id=0,
+                    )
+                )
             )
         ),
         # Mamba (a per-channel selective scan, normed dt, B, C) then attention with MoE

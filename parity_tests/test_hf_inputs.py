@@ -364,6 +364,7 @@ def test_host_reads_per_forward(pool, name, packed, validate, sites):
         ("qwen3_5", "contiguous"),
         ("lfm2", "head_tail"),
         ("bamba", "contiguous"),
+        ("minimax", "head_tail"),
     ],
 )
 def test_unsharded_calls_run_as_one_process(pool, name, layout):

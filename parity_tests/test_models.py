@@ -33,7 +33,7 @@ QUICK = {  # family: (what it exercises, its verdict)
     "doge": ("an attention that edits its mask", "refused"),
     "qwen3_next": ("Gated DeltaNet: the recurrent state from the earlier ranks, a conv halo", "exact"),
     "olmo_hybrid": ("Gated DeltaNet with negative eigenvalues (beta up to 2)", "exact"),
-    "minimax": ("a linear attention the adapter does not know", "refused"),
+    "minimax": ("MiniMax's lightning attention (a decay per head) in blocks ending mid-chunk", "exact"),
     "nemotron_h": ("Mamba2 layers (a decay per head), attention, MLP and MoE layers", "exact"),
     "falcon_h1": ("attention and Mamba2 in parallel in every layer", "exact"),
     "jamba": ("Mamba (a per-channel selective scan), attention and MoE", "exact"),
@@ -105,13 +105,14 @@ def test_the_whole_model_compiles_as_one_graph(pool):
         assert difference == 0.0, difference
 
 
-STATE_SPACE = ("nemotron_h", "granitemoehybrid", "falcon_h1", "zamba2", "mamba2", "jamba", "zamba")
+STATE_SPACE = ("nemotron_h", "granitemoehybrid", "falcon_h1", "zamba2", "mamba2", "jamba", "zamba", "minimax")
 
 
 @pytest.mark.parametrize("family", STATE_SPACE)
 def test_state_space_families_on_four_ranks_with_checkpointing(pool, family):
-    """The Mamba2 and Mamba families on 4 ranks (8 tokens a rank; head_tail: chunks of 4, so a state
-    crosses three ranks), in train mode with activation checkpointing, every sweep case: exact."""
+    """The Mamba2, Mamba and lightning-attention families on 4 ranks (8 tokens a rank; head_tail:
+    chunks of 4, so a state crosses three ranks), in train mode with activation checkpointing,
+    every sweep case: exact."""
     for case in zoo.CASES:
         ranks = pool.run(("first", 4), zoo_cases.compare, family, case, True, True, timeout=120)[0]
         for result in ranks:

@@ -21,7 +21,7 @@ from torch_impl.hf.documents import isolates_documents
 from torch_impl.hf.heads import apply_head, check_head
 from torch_impl.hf.indexed import AbsorbedMLA, BlockedIndexer
 from torch_impl.hf.inputs import MaskCountPositions, ModelInputs, PaddingIndexPositions, Positions
-from torch_impl.hf.recurrent import KERNELS, apply_recurrent, kernel_of
+from torch_impl.hf.recurrent import KERNELS, apply_recurrent, is_lightning, kernel_of
 from torch_impl.hf.short_conv import ShortConvHalo
 from torch_impl.layout import check as check_layout
 
@@ -31,7 +31,7 @@ SUPPORTED_LAYER_TYPES = (
     "chunked_attention",
     "conv",
     INDEXED,
-    "linear_attention",  # where each is a Gated DeltaNet, KDA, Mamba2 or Mamba (torch_impl.hf.recurrent)
+    "linear_attention",  # Gated DeltaNet, KDA, Mamba2, Mamba, MiniMax's lightning (torch_impl.hf.recurrent)
     "mlp",  # Nemotron-H's layers without a token mixer
     "moe",
 )
@@ -114,7 +114,7 @@ def _kind(name, module):
         return "attention"
     if type(module).__name__ in SHORT_CONVS:
         return "short_conv"
-    if kernel_of(module) is not None:
+    if kernel_of(module) is not None or is_lightning(module):
         return "recurrent"
     name_ = type(module).__name__
     if RECURRENT.search(name_) and not name_.endswith("Norm") and not any(map(kernel_of, module.modules())):
@@ -212,7 +212,8 @@ def _layers(model, decoder, group, layout, dense=False):
             "",
             model,
             f"{RECURRENCE}: {linear} 'linear_attention' layers, of which {len(whole['recurrent'])} are "
-            f"Gated DeltaNet, KDA, Mamba2 or Mamba modules calling the kernels {sorted(KERNELS)}",
+            f"Gated DeltaNet, KDA, Mamba2 or Mamba modules calling the kernels {sorted(KERNELS)} or "
+            "MiniMax's lightning attention",
         )
     return attentions, list(whole["short_conv"].values()), list(whole["recurrent"].values())
 
@@ -312,13 +313,19 @@ def apply_short_conv(convs, group, layout="contiguous"):
 
 
 def apply_linear_attention(modules, group, layout="contiguous"):
-    """Every linear-attention module runs its own forward with CP's conv and chunked kernel
-    (torch_impl.hf.recurrent). Returns which path they take."""
-    return {
-        type(module).__name__: f"{apply_recurrent(module, group, layout)}: its own forward, the conv over a "
-        "halo of kernel - 1 inputs, the chunked kernel from the earlier chunks' state (gather_state)"
-        for module in modules
-    }
+    """Every linear-attention module runs its own forward with CP's conv and chunked kernel, or
+    MiniMax's lightning attention its block loop per chunk (torch_impl.hf.recurrent). Returns
+    which path they take."""
+    paths = {}
+    for module in modules:
+        name = apply_recurrent(module, group, layout)
+        paths[type(module).__name__] = f"{name}: " + (
+            "its block loop from zero per chunk, corrected by the earlier chunks' state (gather_state)"
+            if is_lightning(module)
+            else "its own forward, the conv over a halo of kernel - 1 inputs, the chunked kernel from the "
+            "earlier chunks' state (gather_state)"
+        )
+    return paths
 
 
 def parallelize(

@@ -1,7 +1,8 @@
 """Linear-attention layers (Gated DeltaNet: Qwen3.5, Qwen3-Next, OLMo hybrid; Kimi Delta Attention:
 Kimi Linear; Mamba2: Nemotron-H, Granite 4.0 H, Falcon-H1, Bamba, Zamba2; Mamba: Jamba, Zamba,
 Mamba, Falcon Mamba): the model's own forward, with its two sequence functions made
-context-parallel (MambaScan and SelectiveScan below for the diagonal forms).
+context-parallel (MambaScan and SelectiveScan below for the diagonal forms). MiniMax's lightning
+attention, whose block loop is inline in its forward, is LightningAttention (at the end).
 
 Such a layer is a causal depthwise conv (kernel K) in front of a chunked linear recurrence whose
 state S is [dk, dv] per head. Over a rank's chunk of the sequence the recurrence is an affine map of
@@ -38,6 +39,8 @@ KERNELS = {  # chunked kernel -> the recurrence it computes
     "mamba2_chunk_scan": "Mamba2 (SSD)",
     "mamba_selective_scan": "Mamba (selective scan)",
 }
+# MiniMax's lightning attention: per head its decay rate and the decays within a block
+LIGHTNING = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
 # fused kernels a forward tries first (mamba_ssm's conv + scan + norm + projection): under CP they
 # would run over the shard alone, so the CP forward takes the model's unfused path
 FUSED = ("mamba2_split_conv1d_scan_combined", "mamba_inner_fn")
@@ -53,8 +56,21 @@ def kernel_of(module: nn.Module) -> str | None:
     return kernel if conv else None
 
 
+def is_lightning(module: nn.Module) -> bool:
+    """Whether `module` is MiniMax's lightning attention (LightningAttention below): its decay
+    buffers, its projections and its norm, as transformers' MiniMaxLightningAttention has them."""
+    parts = ("qkv_proj", "output_gate", "out_proj")
+    return all(hasattr(module, name) for name in (*LIGHTNING, "norm", "act_fn", "block_size")) and all(
+        isinstance(getattr(module, name), nn.Linear) for name in parts
+    )
+
+
 def apply_recurrent(module: nn.Module, group, layout: str) -> str:
-    """Run `module` (kernel_of(module) not None) context-parallel; returns the recurrence's name."""
+    """Run `module` (kernel_of(module) not None, or is_lightning(module)) context-parallel; returns
+    the recurrence's name."""
+    if is_lightning(module):
+        module.forward = LightningAttention(module, group, layout)
+        return "MiniMax lightning attention"
     kernel = kernel_of(module)
     forward = inspect.unwrap(type(module).forward)
     # the module's globals but its __name__: torch.compile reads a named scope's globals from the
@@ -269,3 +285,72 @@ class SelectiveScan:
             out.append(y0 + torch.einsum("bdtn,bnt->bdt", carried, c.to(carried.dtype)))  # [batch, D, C]
         out = out[0] if len(out) == 1 else torch.cat(out, dim=-1)  # [batch, D, L]
         return out if z is None else out * torch.nn.functional.silu(z)
+
+
+class LightningAttention:
+    """MiniMax's lightning attention, context-parallel: per head a decayed linear attention,
+    S_t = exp(-s) S_{t-1} + k_t^T v_t and o_t = q_t S_t, with S [D, D] and s the head's decay rate
+    (the module's `slope_rate`), computed in blocks of `block_size` as the module does. Over a
+    chunk of C tokens the state is an affine map, S_out = exp(-s C) S_in + B (B: the chunk's final
+    state from zero), and o_t = o0_t + exp(-s (t + 1)) q_t S_in (o0: the outputs from zero; t the
+    token's place in the chunk, 0 first). So each local chunk runs the module's block loop from
+    zero (`from_zero`), gather_state folds the earlier chunks' (exp(-s C), B) with S as [1, D * D],
+    and the correction is added before the module's norm over the heads (which is not linear),
+    gate and output projection. The decays are the module's buffers, in their dtype (at least
+    float32). An unsharded call runs the module's own forward."""
+
+    def __init__(self, module, group, layout):
+        self.module, self.group, self.layout = module, group, layout
+
+    def __call__(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+        m = self.module
+        if stepping_aside():  # an unsharded call: the module's own forward
+            forward = type(m).forward
+            return forward(m, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        _check_stateless((), past_key_values)
+        n, r, (batch, L, _) = _group.world_size(self.group), _group.rank(self.group), hidden_states.shape
+        H = m.num_attention_heads
+        qkv = m.act_fn(m.qkv_proj(hidden_states))  # [B, L, 3 H D]
+        if attention_mask is not None:  # [B, L]: q, k and v zero at padding, as the module's
+            qkv = (qkv * attention_mask[:, :, None]).to(qkv.dtype)
+        q, k, v = qkv.reshape(batch, L, H, -1).transpose(1, 2).chunk(3, dim=-1)  # [B, H, L, D] each
+        rate = m.slope_rate.to(torch.promote_types(m.slope_rate.dtype, torch.float32))  # [H, 1, 1]
+        outs, decays, maps = [], [], []
+        for w in ShardPlan.of(self.layout, n, r, L).windows(0):
+            rows = w.queries
+            C = rows.stop - rows.start
+            o0, final = from_zero(m, q[:, :, rows], k[:, :, rows], v[:, :, rows])  # [B, H, C, D], [.., D, D]
+            places = torch.arange(1, C + 1, device=q.device, dtype=rate.dtype)[:, None]  # [C, 1]
+            outs.append((o0, q[:, :, rows], (-rate * places).exp()))  # decay [H, C, 1]: exp(-s (t + 1))
+            decays.append((-rate * C).exp().expand(batch, H, 1, 1))  # [B, H, 1, 1]: exp(-s C)
+            maps.append(final.reshape(batch, H, 1, -1).to(rate.dtype))  # [B, H, 1, D * D]: B
+        # [B, k, H, D, D]: the state each local chunk starts from
+        states = gather_state(torch.stack(decays, 1), torch.stack(maps, 1), self.group, layout=self.layout)
+        states = states.reshape(batch, len(outs), H, *final.shape[-2:])
+        out = [
+            o0 + torch.matmul(q_w.to(rate.dtype) * decay, states[:, i]).to(o0.dtype)  # [B, H, C, D]
+            for i, (o0, q_w, decay) in enumerate(outs)
+        ]
+        out = out[0] if len(out) == 1 else torch.cat(out, dim=2)  # [B, H, L, D]
+        out = m.norm(out.transpose(1, 2).reshape(batch, L, -1))  # [B, L, H D]
+        out = torch.sigmoid(m.output_gate(hidden_states)) * out
+        return m.out_proj(out), None
+
+
+def from_zero(m, q, k, v):
+    """MiniMax lightning attention's block loop (transformers' MiniMaxLightningAttention.forward,
+    without a cache) over one chunk from a zero state, with the module's decay buffers: the
+    outputs [B, H, C, D] and the final state [B, H, D, D]."""
+    B, H, C, D = q.shape
+    state = q.new_zeros(B, H, D, D)
+    outs = []
+    for start in range(0, C, m.block_size):
+        size = min(m.block_size, C - start)
+        qb, kb, vb = (x[:, :, start : start + size] for x in (q, k, v))  # [B, H, size, D]
+        intra = torch.matmul(
+            torch.matmul(qb, kb.transpose(-1, -2)) * m.diagonal_decay[:, :, :size, :size], vb
+        )
+        outs.append(torch.matmul(qb * m.query_decay[:, :size], state) + intra)
+        step = torch.matmul((kb * m.key_decay[:, -size:]).transpose(-1, -2), vb)  # [B, H, D, D]
+        state = state * torch.exp(-m.slope_rate * size) + step
+    return torch.cat(outs, dim=2), state
