@@ -114,6 +114,27 @@ MUTATIONS = [
         "kl = t.accelerator.world.gather((per_token_kl * completion_mask).sum(-1))",
         ("parity_tests/test_trainer.py", "-k", "rloo_llama"),
     ),
+    Mutation(  # MiniMax's lightning correction decayed from the token itself, one step short
+        "lightning_decay_one_token_short",
+        "torch_impl/hf/recurrent.py",
+        "places = torch.arange(1, C + 1, device=q.device, dtype=rate.dtype)[:, None]",
+        "places = torch.arange(0, C, device=q.device, dtype=rate.dtype)[:, None]",
+        ("parity_tests/test_models.py", "-k", "minimax"),
+    ),
+    Mutation(  # RecurrentGemma's RG-LRU: the earlier ranks' state not carried in
+        "rg_lru_state_not_carried",
+        "torch_impl/hf/recurrent.py",
+        "out = [(h0 + carried * states[:, i, None, :])",
+        "out = [(h0 + 0 * carried * states[:, i, None, :])",
+        ("parity_tests/test_models.py", "-k", "recurrent_gemma"),
+    ),
+    Mutation(  # RecurrentGemma's conv over its own shard only, no halo
+        "griffin_conv_without_a_halo",
+        "torch_impl/hf/recurrent.py",
+        "windows = ShardPlan.of(self.layout, n, r, L).windows(conv.kernel_size[0] - 1)",
+        "windows = ShardPlan.of(self.layout, n, r, L).windows(0)",
+        ("parity_tests/test_models.py", "-k", "recurrent_gemma"),
+    ),
     Mutation(  # a sequence whose last strip is partial loses it
         "reverse_blocks_skips_a_partial_strip",
         "torch_impl/sequence.py",

@@ -37,6 +37,7 @@ QUICK = {  # family: (what it exercises, its verdict)
     "nemotron_h": ("Mamba2 layers (a decay per head), attention, MLP and MoE layers", "exact"),
     "falcon_h1": ("attention and Mamba2 in parallel in every layer", "exact"),
     "jamba": ("Mamba (a per-channel selective scan), attention and MoE", "exact"),
+    "recurrent_gemma": ("RG-LRU (a per-channel gated scan) behind an nn.Conv1d, local attention", "exact"),
     "zamba": ("Mamba scans called once per Mamba head", "exact"),
 }
 
@@ -105,7 +106,17 @@ def test_the_whole_model_compiles_as_one_graph(pool):
         assert difference == 0.0, difference
 
 
-STATE_SPACE = ("nemotron_h", "granitemoehybrid", "falcon_h1", "zamba2", "mamba2", "jamba", "zamba", "minimax")
+STATE_SPACE = (
+    "nemotron_h",
+    "granitemoehybrid",
+    "falcon_h1",
+    "zamba2",
+    "mamba2",
+    "jamba",
+    "zamba",
+    "minimax",
+    "recurrent_gemma",
+)
 
 
 @pytest.mark.parametrize("family", STATE_SPACE)

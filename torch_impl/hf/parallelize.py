@@ -21,7 +21,7 @@ from torch_impl.hf.documents import isolates_documents
 from torch_impl.hf.heads import apply_head, check_head
 from torch_impl.hf.indexed import AbsorbedMLA, BlockedIndexer
 from torch_impl.hf.inputs import MaskCountPositions, ModelInputs, PaddingIndexPositions, Positions
-from torch_impl.hf.recurrent import KERNELS, apply_recurrent, is_lightning, kernel_of
+from torch_impl.hf.recurrent import KERNELS, apply_recurrent, is_known, is_lightning
 from torch_impl.hf.short_conv import ShortConvHalo
 from torch_impl.layout import check as check_layout
 
@@ -98,9 +98,11 @@ def _layer_type(module):
     return types[index] if types and isinstance(index, int) and 0 <= index < len(types) else None
 
 
-def _kind(name, module):
+def _kind(name, module, family=""):
     """'attention', 'short_conv', 'recurrent', or None for a module that mixes no tokens itself;
-    ValueError for a module that mixes them in a way CP cannot reproduce exactly."""
+    ValueError for a module that mixes them in a way CP cannot reproduce exactly. `family`: a
+    class-name prefix that names no recurrence (RecurrentGemma's, whose MLP, norm and rotary
+    embedding are RecurrentGemma*)."""
     layer_type = _layer_type(module)
     if layer_type is not None and layer_type not in (*SUPPORTED_LAYER_TYPES, HYBRID):
         raise _refuse(name, module, _unsupported([layer_type]))
@@ -114,10 +116,14 @@ def _kind(name, module):
         return "attention"
     if type(module).__name__ in SHORT_CONVS:
         return "short_conv"
-    if kernel_of(module) is not None or is_lightning(module):
+    if is_known(module):
         return "recurrent"
     name_ = type(module).__name__
-    if RECURRENT.search(name_) and not name_.endswith("Norm") and not any(map(kernel_of, module.modules())):
+    if (
+        RECURRENT.search(name_.removeprefix(family))
+        and not name_.endswith("Norm")
+        and not any(map(is_known, module.modules()))
+    ):
         raise _refuse(name, module, RECURRENCE)  # (a layer holding a linear attention it knows is not)
     if isinstance(module, (nn.Conv1d, nn.Conv2d)):
         raise _refuse(name, module, "is a convolution over the sequence that the adapter does not know")
@@ -191,6 +197,12 @@ def _layers(model, decoder, group, layout, dense=False):
     if not type(model)._can_set_attn_implementation():
         raise _refuse("", model, "does not route its attention through transformers' AttentionInterface")
     attentions, whole, skipped, towers = [], {"short_conv": {}, "recurrent": {}}, [], _towers(model)
+    # a model holding recurrences made CP here: its family's class-name prefix names none
+    family = (
+        re.sub(r"(For[A-Z]\w*|Model)$", "", type(model).__name__)
+        if any(map(is_known, model.modules()))
+        else ""
+    )
     for name, module in model.named_modules():
         handled = [*whole["short_conv"], *whole["recurrent"], *skipped]
         if any(name.startswith(f"{outer}.") for outer in handled):
@@ -198,7 +210,7 @@ def _layers(model, decoder, group, layout, dense=False):
         if id(getattr(module, "config", None)) in towers:
             skipped.append(name)
             continue
-        kind = _kind(name, module)
+        kind = _kind(name, module, family)
         if kind == "attention" and module.config is not decoder.config:  # the one parallelize switches
             raise _refuse(name, module, "reads an attention config other than its language model's")
         if kind == "attention":

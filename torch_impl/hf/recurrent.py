@@ -2,7 +2,8 @@
 Kimi Linear; Mamba2: Nemotron-H, Granite 4.0 H, Falcon-H1, Bamba, Zamba2; Mamba: Jamba, Zamba,
 Mamba, Falcon Mamba): the model's own forward, with its two sequence functions made
 context-parallel (MambaScan and SelectiveScan below for the diagonal forms). MiniMax's lightning
-attention, whose block loop is inline in its forward, is LightningAttention (at the end).
+attention, whose block loop is inline in its forward, is LightningAttention; RecurrentGemma's
+recurrent block, an nn.Conv1d and the RG-LRU's scan, ConvModuleHalo and DiagonalScan (at the end).
 
 Such a layer is a causal depthwise conv (kernel K) in front of a chunked linear recurrence whose
 state S is [dk, dv] per head. Over a rank's chunk of the sequence the recurrence is an affine map of
@@ -65,12 +66,34 @@ def is_lightning(module: nn.Module) -> bool:
     )
 
 
+def is_griffin(module: nn.Module) -> bool:
+    """Whether `module` is RecurrentGemma's recurrent block (transformers'
+    RecurrentGemmaRecurrentBlock): a causal depthwise `conv_1d` (padding K - 1, its first L outputs
+    kept) in front of an RG-LRU `rg_lru` whose `_rnn_scan` runs the diagonal recurrence."""
+    conv, lru = getattr(module, "conv_1d", None), getattr(module, "rg_lru", None)
+    return (
+        isinstance(conv, nn.Conv1d)
+        and conv.groups == conv.in_channels == conv.out_channels
+        and conv.padding[0] == conv.kernel_size[0] - 1
+        and conv.stride[0] == conv.dilation[0] == 1
+        and callable(getattr(lru, "_rnn_scan", None))
+    )
+
+
+def is_known(module: nn.Module) -> bool:
+    """Whether `module` is a linear-attention module made CP here."""
+    return kernel_of(module) is not None or is_lightning(module) or is_griffin(module)
+
+
 def apply_recurrent(module: nn.Module, group, layout: str) -> str:
-    """Run `module` (kernel_of(module) not None, or is_lightning(module)) context-parallel; returns
-    the recurrence's name."""
+    """Run `module` (is_known(module)) context-parallel; returns the recurrence's name."""
     if is_lightning(module):
         module.forward = LightningAttention(module, group, layout)
         return "MiniMax lightning attention"
+    if is_griffin(module):
+        ConvModuleHalo(module.conv_1d, group, layout)
+        module.rg_lru._rnn_scan = DiagonalScan(module.rg_lru._rnn_scan, group, layout)
+        return "RecurrentGemma's RG-LRU"
     kernel = kernel_of(module)
     forward = inspect.unwrap(type(module).forward)
     # the module's globals but its __name__: torch.compile reads a named scope's globals from the
@@ -354,3 +377,70 @@ def from_zero(m, q, k, v):
         step = torch.matmul((kb * m.key_decay[:, -size:]).transpose(-1, -2), vb)  # [B, H, D, D]
         state = state * torch.exp(-m.slope_rate * size) + step
     return torch.cat(outs, dim=2), state
+
+
+class ConvModuleHalo:
+    """A causal depthwise nn.Conv1d (padding K - 1 on both sides, its caller keeping the first L
+    outputs: RecurrentGemma's) over each local chunk's K - 1 preceding inputs, by hooks on the
+    module: before, its input [B, C, L] becomes the halo and the chunks ([B, C, T]); after, its
+    first T outputs (the causal ones) are cut to the chunks' own [B, C, L]. The inputs travel as
+    the sending rank computed them, as in ConvHalo."""
+
+    def __init__(self, conv, group, layout):
+        self.group, self.layout, self.lengths = group, layout, []
+        conv.register_forward_pre_hook(self.before)
+        conv.register_forward_hook(self.after, always_call=True)
+
+    def before(self, conv, args):
+        (x,) = args  # [B, C, L]
+        if stepping_aside():  # an unsharded call: the module as it is
+            self.lengths.append(None)
+            return None
+        self.lengths.append(x.shape[-1])
+        halo = gather_halo(x.transpose(1, 2), self.group, conv.kernel_size[0] - 1, layout=self.layout)
+        return (halo.transpose(1, 2),)  # [B, C, T]
+
+    def after(self, conv, args, out):
+        L = self.lengths.pop()
+        if L is None or out is None:  # passed through, or the forward raised
+            return None
+        n, r, T = _group.world_size(self.group), _group.rank(self.group), args[0].shape[-1]
+        causal = out[..., :T]  # [B, C, T]: the last K - 1 outputs read the right padding
+        windows = ShardPlan.of(self.layout, n, r, L).windows(conv.kernel_size[0] - 1)
+        kept = [causal[:, :, w.own] for w in windows]  # [B, C, L/k] each
+        return kept[0] if len(kept) == 1 else torch.cat(kept, dim=-1)  # [B, C, L]
+
+
+class DiagonalScan:
+    """RecurrentGemma's RG-LRU scan (`_rnn_scan`: h_t = a_t * h_{t-1} + x_t per channel, a_t zero
+    where the position restarts) over each local chunk, corrected by the state the earlier chunks
+    leave: over a chunk S_out = a S_in + B with a the product of its a_t, and h_t = h0_t +
+    (a_1 ... a_t) S_in (h0: from zero). One run of the module's scan from zero gives h0 and B;
+    gather_state folds each channel's (a, B) as a 1 x 1 map. The products are taken in the scan's
+    accumulation dtype."""
+
+    def __init__(self, scan, group, layout):
+        self.scan, self.group, self.layout = scan, group, layout
+
+    def __call__(self, hidden_states, recurrent_gate, reset, recurrent_states, acc_dtype=torch.float32):
+        # hidden_states, recurrent_gate: [B, L, W]; reset: bool [B, L, 1]
+        if stepping_aside():  # an unsharded call: the module's own scan
+            return self.scan(hidden_states, recurrent_gate, reset, recurrent_states, acc_dtype)
+        _check_stateless((), recurrent_states)
+        n, r, (batch, L, W) = _group.world_size(self.group), _group.rank(self.group), hidden_states.shape
+        outs, decays, maps = [], [], []
+        for w in ShardPlan.of(self.layout, n, r, L).windows(0):
+            rows = w.queries
+            h0, final = self.scan(
+                hidden_states[:, rows], recurrent_gate[:, rows], reset[:, rows], None, acc_dtype
+            )
+            carried = (recurrent_gate[:, rows] * ~reset[:, rows]).to(acc_dtype).cumprod(dim=1)  # [B, C, W]
+            outs.append((h0, carried))
+            decays.append(carried[:, -1].reshape(batch, W, 1, 1))  # a
+            maps.append(final.reshape(batch, W, 1, 1).to(acc_dtype))  # B
+        # [B, k, W]: the state each local chunk starts from
+        states = gather_state(torch.stack(decays, 1), torch.stack(maps, 1), self.group, layout=self.layout)
+        states = states.reshape(batch, len(outs), W)
+        out = [(h0 + carried * states[:, i, None, :]).to(h0.dtype) for i, (h0, carried) in enumerate(outs)]
+        out = out[0] if len(out) == 1 else torch.cat(out, dim=1)  # [B, L, W]
+        return out, None
