@@ -61,7 +61,7 @@ bench-capacity: $(STAMP)
 	$(PY) -m benchmarks.rank_capacity --json $(RESULTS)/rank_capacity.json --plot docs/rank_capacity.png
 	$(PY) -m benchmarks.rank_capacity --model deepseek_v32 --variants alone,torch_impl \
 		--json $(RESULTS)/rank_capacity_dsa.json --plot docs/rank_capacity_dsa.png
-	for model in qwen3_5 mamba2; do \
+	for model in qwen3_5 mamba2 minimax; do \
 		$(PY) -m benchmarks.rank_capacity --model $$model --lens 1024,4096 --reps 2 --layers 3 --hidden 1024 \
 			--json $(RESULTS)/rank_capacity_$$model.json --plot docs/rank_capacity_$$model.png || exit 1; \
 	done

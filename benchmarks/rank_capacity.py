@@ -1,6 +1,7 @@
 """`make bench-capacity`: one CP rank's peak memory and time, against the same rank without CP.
 
-    python -m benchmarks.rank_capacity [--model gemma3|deepseek_v32] [--n 8] [--lens 1024,2048,4096]
+    python -m benchmarks.rank_capacity [--model gemma3|deepseek_v32|qwen3_5|mamba2|minimax] [--n 8]
+                                       [--lens 1024,2048,4096]
                                        [--quick] [--json FILE]
 
 One rank, the last (rank n-1 of n: the most keys), is played through torch's fake process group:
@@ -11,6 +12,8 @@ global one; one KV head), at hidden size 256 (4 heads of 64), vocabulary 256, fl
 runs Gemma-3-1B's), with activation checkpointing (`hf.checkpoint_kwargs()`). `--model deepseek_v32`
 is DeepSeek V3.2's sparse attention instead (`cp_support.models.capacity_dsa`: 2 layers, MLA with
 16 heads, an indexer picking `--topk` keys per query; variants alone, torch_impl and allgather);
+`--model qwen3_5`, `mamba2` and `minimax` are recurrent layers alone (Gated DeltaNet, Mamba2,
+MiniMax's lightning attention: cp_support.models), their bytes per layer counted;
 `--model gemma2` (soft-capping, window 512) and `--model gpt_oss` (sinks, window 128) alternate
 sliding and global layers on eager attention, the only one transformers gives them, which is
 also what `alone` and `dense` run.
@@ -48,6 +51,7 @@ from cp_support.models import WINDOWS, capacity_model
 from cp_support.traffic import PayloadCounter
 
 VARIANTS = ("alone", "torch_impl", "dense", "allgather")
+RECURRENT = ("qwen3_5", "mamba2", "minimax")  # recurrent layers alone: their bytes counted per layer
 
 
 def prepare(variant, args, L, device):
@@ -102,7 +106,7 @@ def measure(variant, args, L, device):
     else:
         peak = peak_mib() - base
     result = {"peak_mib": peak, "ms": 1000 * statistics.median(times)}
-    if variant != "alone" and args.model in ("qwen3_5", "mamba2"):  # one more step, its bytes counted
+    if variant != "alone" and args.model in RECURRENT:  # one more step, its bytes counted
         with PayloadCounter() as counter:
             step()
         result["received_per_layer"] = counter.received // args.layers
@@ -224,7 +228,7 @@ def parse(argv):
     p.add_argument("--n", type=int, default=8, help="CP ranks; this process plays rank n-1")
     p.add_argument(
         "--model",
-        choices=("gemma3", "gemma2", "gpt_oss", "deepseek_v32", "qwen3_5", "mamba2"),
+        choices=("gemma3", "gemma2", "gpt_oss", "deepseek_v32", *RECURRENT),
         default="gemma3",
     )
     p.add_argument("--topk", type=int, default=256, help="deepseek_v32: keys each query picks")
@@ -247,7 +251,7 @@ def parse(argv):
     p.add_argument("--child-len", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     known = VARIANTS
-    if args.model in ("deepseek_v32", "qwen3_5", "mamba2"):  # no dense path; recurrent layers alone
+    if args.model in ("deepseek_v32", *RECURRENT):  # no dense path; recurrent layers alone
         known = (
             ("alone", "torch_impl", "allgather") if args.model == "deepseek_v32" else ("alone", "torch_impl")
         )
@@ -272,6 +276,7 @@ def main(argv=None):
         "deepseek_v32": f"DeepSeek V3.2 (build_dsa), top-k {args.topk}",
         "qwen3_5": f"Qwen3.5's Gated DeltaNet, {args.layers} layers, hidden {args.hidden}, 16 heads of 128",
         "mamba2": f"Mamba2 at Nemotron-H's head sizes, {args.layers} layers, hidden {args.hidden}",
+        "minimax": f"MiniMax's lightning attention, {args.layers} layers, heads of 128, hidden {args.hidden}",
     }.get(args.model) or f"{args.model}, hidden {args.hidden}, window {args.window or WINDOWS[args.model]}"
     print(
         f"# one CP rank (rank {args.n - 1} of {args.n}, fake process group) on {device}: {model}, "

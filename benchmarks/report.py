@@ -472,6 +472,7 @@ BLOCKS = {
     "capacity_dsa": capacity_block("rank_capacity_dsa"),
     "capacity_qwen3_5": capacity_block("rank_capacity_qwen3_5"),
     "capacity_mamba2": capacity_block("rank_capacity_mamba2"),
+    "capacity_minimax": capacity_block("rank_capacity_minimax"),
     "capacity_sinks_cap": (["rank_capacity_gemma2", "rank_capacity_gpt_oss", "rank_capacity"], sinks_and_cap),
     "packed": (["packed_rows"], packed),
     "packed_ranks": (["packed_ranks"], packed_ranks),
@@ -495,7 +496,7 @@ TARGETS = {
     "packed_ranks": "make bench-packed",
     **{
         f"rank_capacity{s}": "make bench-capacity"
-        for s in ("", "_dsa", "_qwen3_5", "_mamba2", "_gemma2", "_gpt_oss")
+        for s in ("", "_dsa", "_qwen3_5", "_mamba2", "_minimax", "_gemma2", "_gpt_oss")
     },
     **{
         n: "make bench-other"

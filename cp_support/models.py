@@ -91,6 +91,8 @@ def capacity_model(args, max_positions):
         return capacity_qwen3_5(args, max_positions)
     if args.model == "mamba2":
         return capacity_mamba2(args, max_positions)
+    if args.model == "minimax":
+        return capacity_minimax(args, max_positions)
     period = 6 if args.model == "gemma3" else 2
     layer_types = [
         "full_attention" if i % period == period - 1 else "sliding_attention" for i in range(args.layers)
@@ -162,6 +164,31 @@ def capacity_mamba2(args, max_positions):
         chunk_size=128,
     )
     return tf.Mamba2ForCausalLM(config)
+
+
+def capacity_minimax(args, max_positions):
+    """MiniMax's lightning attention layers alone (`--layers`), at MiniMax-Text-01's head size:
+    heads of 128 dims (`--hidden` / 128 of them), blocks of 256; one expert a token of
+    `--intermediate` (default 3 x hidden), eager."""
+    import transformers as tf
+
+    config = tf.MiniMaxConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate or 3 * args.hidden,
+        num_hidden_layers=args.layers,
+        layer_types=["linear_attention"] * args.layers,
+        num_attention_heads=args.hidden // 128,
+        num_key_value_heads=1,
+        head_dim=128,
+        block_size=256,
+        num_local_experts=1,
+        num_experts_per_tok=1,
+        max_position_embeddings=max_positions,
+    )
+    model = tf.MiniMaxForCausalLM(config)
+    model.set_experts_implementation("eager")
+    return model
 
 
 def capacity_dsa(args, max_positions):

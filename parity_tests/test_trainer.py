@@ -160,7 +160,7 @@ def reward_metrics(got, want):
 def preference_metrics(got, want):
     """DPOTrainer and KTOTrainer: every metric they log in training and evaluate() (entropy, mean
     logits, token accuracy, rewards, margins, log-probs, KL, num_tokens). TRL's fused LM head
-    computes each token's log-prob in float32 on both sides (test_preference.py): a value within
+    computes each token's log-prob in float32 on both sides: a value within
     64 u32 of the largest magnitude it is built from, its own or (rewards, margins, KL: differences
     of a row's log-probs) the largest row log-prob logged; num_tokens exactly."""
     for g, w in [*zip(got["log"], want["log"], strict=True), (got["eval"], want["eval"])]:

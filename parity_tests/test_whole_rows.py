@@ -10,6 +10,8 @@ pass; every rank backpropagates the same cotangent through the gathered row, so 
 gradient is n times it, on the rank that owns the position, and 0 at the last position (cut).
 """
 
+import types
+
 import pytest
 import torch
 from trl import DPOTrainer, KTOTrainer
@@ -76,3 +78,38 @@ def _trainer(kind, tmp_path, **overrides):
 def test_liger_is_refused_in_init(tmp_path, kind, name):
     with pytest.raises(ValueError, match=f"TRL's {name} with `use_liger_kernel`"):
         _trainer(kind, tmp_path, use_liger_kernel=True)
+
+
+def test_prompt_learning_is_refused_in_init(tmp_path):
+    """Prompt tuning prepends virtual tokens to the rows the model is given: each rank's shard."""
+    from peft import PromptTuningConfig
+
+    args = trainer_jobs.DPOConfig(
+        str(tmp_path), **trainer_jobs.trainer.TRAINING | {"bf16": False, "dataset_num_proc": None}
+    )
+    cp = type("CP", (hf.ContextParallelMixin, DPOTrainer), {})
+    with pytest.raises(ValueError, match="TRL's DPOTrainer with a prompt-learning PEFT model"):
+        cp(
+            model=hf_models.build("llama"),
+            args=args,
+            processing_class=trainer_data.tokenizer(),
+            train_dataset=trainer_jobs.preference_rows("dpo", 8, 0),
+            peft_config=PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+            cp_size=1,
+        )
+
+
+def test_as_replicas_nests_and_restores_what_it_found():
+    """A nested use keeps the outer view; each restores the accelerator and the switch it found,
+    also when the body raises."""
+    t = types.SimpleNamespace(accelerator=object(), cp_whole_rows=False)
+    own = t.accelerator
+    with pytest.raises(RuntimeError, match="in the loss"):
+        with whole_rows.as_replicas(t):
+            view = t.accelerator
+            assert isinstance(view, whole_rows.ReplicaView) and t.cp_whole_rows
+            with whole_rows.as_replicas(t):
+                assert t.accelerator is view and t.cp_whole_rows
+            assert t.accelerator is view and t.cp_whole_rows
+            raise RuntimeError("in the loss")
+    assert t.accelerator is own and t.cp_whole_rows is False

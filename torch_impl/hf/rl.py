@@ -55,7 +55,7 @@ def refusal(args, trainer=None):
         return "tools or environments: their tool masks are not made CP here"
     if trainer._is_vlm:
         return "a vision-language model: images are not split across CP ranks"
-    return None
+    return whole_rows.prompt_learning(trainer.model)
 
 
 def replica_config(args, cp_size):

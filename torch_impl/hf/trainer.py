@@ -151,10 +151,11 @@ class ContextParallelMixin:
         parallelize(model, self.cp_group, layout=cp_layout)
         if getattr(self, "ref_model", None) is not None:  # DPO's and KTO's separate reference model
             parallelize(self.accelerator.unwrap_model(self.ref_model), self.cp_group, layout=cp_layout)
+        self.cp_hooks = []  # the handles of whole_rows' hooks on the model and the reference
         if self.cp_whole_row_loss and cp_size > 1:
             for scorer in (self.model, getattr(self, "ref_model", None)):
                 if scorer is not None:
-                    whole_rows.hook(self, self.accelerator.unwrap_model(scorer))
+                    self.cp_hooks += whole_rows.hook(self, self.accelerator.unwrap_model(scorer))
         _keep_collectives_in_checkpoints(self.model)
 
     @staticmethod
@@ -316,7 +317,9 @@ class ContextParallelMixin:
         ranks hold the same): one CP rank's values per replica, [dp * n, ...], and where `cut`,
         the last batch cut to the dataset's remainder as accelerate's gather_for_metrics does over
         dp processes."""
-        accelerator = getattr(self.accelerator, "world", self.accelerator)  # not whole_rows.ReplicaView's
+        accelerator = self.accelerator
+        while isinstance(accelerator, whole_rows.ReplicaView):  # the trainer's own, not a view's
+            accelerator = accelerator.world
         gathered = accelerator.gather(data)  # [processes * n, ...], by rank
         replicas = gathered.unflatten(0, (accelerator.num_processes, -1))[:: self.cp_size].flatten(0, 1)
         state = accelerator.gradient_state

@@ -1,10 +1,10 @@
-"""TRL's trainers that score whole rows through their fused LM head (DPO, KTO), under CP.
+"""TRL's trainers that score whole rows through their fused LM head (DPO, KTO, GRPO, RLOO), under CP.
 
-TRL's DPOTrainer and KTOTrainer read the model through one call, `model(**rows, labels=labels,
-fused_lm_head=True)` (`trl.trainer.utils.add_fused_lm_head`), which returns one value per
-position of the rows ([B, S - 1]: the next token's log-prob and, where asked, the distribution's
-entropy, mean logit, log of summed squared probabilities and the label's top-1 hit), never
-[B, S, V] logits. That call is the one substitution point (`hook`):
+TRL's DPOTrainer, KTOTrainer, GRPOTrainer and RLOOTrainer read the model through one call,
+`model(**rows, labels=labels, fused_lm_head=True)` (`trl.trainer.utils.add_fused_lm_head`), which
+returns one value per position of the rows ([B, S - 1]: the next token's log-prob and, where
+asked, the distribution's entropy, mean logit, log of summed squared probabilities and the
+label's top-1 hit), never [B, S, V] logits. That call is the one substitution point (`hook`):
 
 1. A forward pre-hook on the model shards the call's whole rows [B, S] as the mixin's step does
    (`ContextParallelMixin.shard`: padded at the end to the layout's multiple, labels shifted over
@@ -19,8 +19,9 @@ TRL's own loss then runs unchanged on every CP rank, over whole rows (every loss
 option, every metric), with the trainer's accelerator seen as the dp-only run's (`ReplicaView`:
 its gathers over the dp replicas, one CP rank each). Each CP rank computes its replica's loss;
 the gather's backward sums the CP ranks' equal gradients of a position, which DDP's average over
-dp x cp undoes, as for RewardTrainer. The hooks act only inside `as_replicas` (the mixin's loss):
-elsewhere (TRL's precomputed reference log-probs, generation) a call runs as one process.
+dp x cp undoes, as for RewardTrainer. The hooks act only inside `as_replicas` (the mixin's loss,
+and GRPO's and RLOO's generation and scoring, torch_impl.hf.rl): elsewhere (TRL's precomputed
+reference log-probs) a fused-head call runs as one process.
 
 Bytes: each output gathered is B x S x itemsize a rank receives per forward (a 128k-token row:
 512 KB of float32 log-probs), against the megabytes per layer that attention moves.
@@ -32,6 +33,7 @@ from torch_impl.hf.inputs import LAYOUT
 from torch_impl.metadata import gather_metadata
 from torch_impl.sequence import gather_sequence
 
+TRAINERS = ("DPOTrainer", "KTOTrainer", "GRPOTrainer", "RLOOTrainer")
 GATHERED = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits")  # floats: gather_sequence
 MASKS = ("is_top1", "label_mask")  # bools: gather_metadata
 
@@ -42,16 +44,17 @@ def hook(t, model):
     lengths = []  # per call in flight: the rows' length S where this call was sharded, else None
 
     def shard(module, args, kwargs):
-        whole = t.cp_whole_rows and kwargs.get("fused_lm_head") and LAYOUT not in kwargs
-        lengths.append(kwargs["input_ids"].shape[1] if whole else None)
-        if not whole:
+        lengths.append(None)  # `gather` pops it, also where the forward raises
+        if not (t.cp_whole_rows and kwargs.get("fused_lm_head") and LAYOUT not in kwargs):
             return None
-        if args or kwargs.get("labels") is None or kwargs.get("shift_labels") is not None:
+        given = all(kwargs.get(key) is not None for key in ("input_ids", "labels"))
+        if args or not given or "shift_labels" in kwargs:
             raise ValueError(
-                "ContextParallelMixin: a fused LM head call under CP takes keyword inputs with unshifted "
+                "ContextParallelMixin: a fused LM head call under CP takes keyword `input_ids` and unshifted "
                 f"`labels` [B, S], as TRL's trainers pass them; got {len(args)} positional arguments and "
                 f"keywords {sorted(kwargs)}"
             )
+        lengths[-1] = kwargs["input_ids"].shape[1]
         local = t.shard({key: value for key, value in kwargs.items() if key != "fused_lm_head"})
         del local["labels"]  # the head reads shift_labels: [B, L], shifted over the global row
         return args, {**local, "fused_lm_head": True}
@@ -71,7 +74,8 @@ def hook(t, model):
 def gathered(output, positions, group, layout):
     """TRL's FusedCausalLMOutput of this rank's shard ([B, L] per field) as one process returns it
     for the whole rows: each field [B, positions] in global order (the gathered [B, n L], entry
-    t scoring token t + 1, cut to its first `positions`); `loss` the rows' mean negative log-prob."""
+    t scoring token t + 1, cut to its first `positions`); `loss` the rows' mean negative log-prob
+    over their labels (TRL's trainers pass no `num_items_in_batch` to this call)."""
     fields = {}
     for name in GATHERED:
         value = getattr(output, name)
@@ -108,6 +112,10 @@ class ReplicaView:
     def gather(self, tensor):
         return self._t._gather_replicas(tensor, cut=False)
 
+    def reduce(self, tensor, reduction="sum", scale=1.0):
+        total = self._t._gather_replicas(tensor[None], cut=False).sum(0)  # over the replicas
+        return scale * (total / self._t.dp_size if reduction == "mean" else total)
+
     def gather_for_metrics(self, tensor, use_gather_object=False):
         if use_gather_object or not hasattr(tensor, "shape"):
             raise ValueError(
@@ -118,18 +126,17 @@ class ReplicaView:
 
 
 @contextlib.contextmanager
-def as_replicas(t, whole_rows=True):
-    """Within: `t.accelerator` is a ReplicaView and, where `whole_rows`, the hooked models' fused-head
-    calls with whole rows are CP."""
-    view = ReplicaView(t)
-    t.accelerator, t.cp_whole_rows = view, whole_rows
+def as_replicas(t):
+    """Within: `t.accelerator` is a ReplicaView and the hooked models' fused-head calls with whole
+    rows are CP. Re-entrant: a nested use keeps the view it finds, and each restores what it found."""
+    before = t.accelerator, t.cp_whole_rows
+    if not isinstance(t.accelerator, ReplicaView):
+        t.accelerator = ReplicaView(t)
+    t.cp_whole_rows = True
     try:
         yield
     finally:
-        t.accelerator, t.cp_whole_rows = view.world, False
-
-
-TRAINERS = ("DPOTrainer", "KTOTrainer", "GRPOTrainer", "RLOOTrainer")
+        t.accelerator, t.cp_whole_rows = before
 
 
 def refusal(t):
@@ -139,4 +146,14 @@ def refusal(t):
         return "a vision dataset: images are not split across CP ranks"
     if t.args.use_liger_kernel:
         return "`use_liger_kernel`: Liger's loss reads the model's hidden states, not its fused LM head"
+    return prompt_learning(t.model)
+
+
+def prompt_learning(model):
+    """Why a PEFT model that prepends virtual tokens (prompt learning) is not exact under CP (each
+    rank's shard would get them), or None."""
+    config = getattr(model, "active_peft_config", None)
+    if getattr(config, "is_prompt_learning", False):
+        kind = type(config).__name__
+        return f"a prompt-learning PEFT model ({kind}): its virtual tokens would prefix every shard"
     return None
