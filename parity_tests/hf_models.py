@@ -77,7 +77,7 @@ def _configs(head_dim=8):
     import transformers as tf
 
     _small = partial(_small_config, head_dim=head_dim)
-    return {
+    configs = {
         "gemma3": lambda: tf.Gemma3ForCausalLM(
             tf.Gemma3TextConfig(
                 **_small(num_hidden_layers=3, sliding_window=10, query_pre_attn_scalar=16),
@@ -219,6 +219,15 @@ def _configs(head_dim=8):
             tf.Gemma3TextConfig(**_small(num_hidden_layers=1), use_bidirectional_attention=True)
         ),
     }
+    # refused: Qwen3.5 (Gated DeltaNet, which the adapter knows) holding a recurrence it does not
+    # know, named with the family's prefix (which the check for unknown recurrences reads past)
+    configs["qwen3_5_unknown_recurrence"] = lambda: _with_unknown_recurrence(configs["qwen3_5"]())
+    return configs
+
+
+def _with_unknown_recurrence(model):
+    model.model.layers[0].retention = type("Qwen3_5Retention", (torch.nn.Module,), {})()
+    return model
 
 
 SUPPORTED = (
@@ -236,6 +245,7 @@ SUPPORTED = (
 INDEXED = ("deepseek_v32", "glm_moe_dsa")  # DeepSeek Sparse Attention
 REFUSED = {  # model -> what the error names
     "xlstm": "(xLSTMForCausalLM) carries recurrent state",
+    "qwen3_5_unknown_recurrence": "model.layers.0.retention (Qwen3_5Retention) carries recurrent state",
     "t5": "encoder.block.0.layer.0.SelfAttention (T5Attention) is bidirectional or cross attention",
     "gemma3_bidirectional": "model.layers.0.self_attn (Gemma3Attention) is bidirectional",
     "deepseek_v4": "has ['compressed_sparse_attention'] layers, a kind the adapter does not know",
