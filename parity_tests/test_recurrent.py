@@ -60,6 +60,29 @@ def run(pool, name, data, n, layout, l2norm, seed=3):
     return ref, [(expected.local_tokens(n, L, r, layout), res) for r, res in enumerate(results)]
 
 
+def test_only_a_forwards_global_kernels_make_it_recurrent():
+    """kernel_of reads the global names a forward loads (what apply_recurrent replaces), not the
+    attributes it reads: a module calling `self.causal_conv1d_fn` is not taken for one whose
+    kernels the adapter swaps."""
+    from torch import nn
+
+    from torch_impl.hf.recurrent import kernel_of
+
+    def by_attribute(self, x):
+        return self.torch_chunk_gated_delta_rule(self.causal_conv1d_fn(x, self.conv1d.weight))
+
+    def by_global(self, x):
+        return torch_chunk_gated_delta_rule(causal_conv1d_fn(x, self.conv1d.weight))  # noqa: F821
+
+    modules = {}
+    for name, forward in (("attribute", by_attribute), ("global", by_global)):
+        cls = type(f"By{name.title()}", (nn.Module,), {"forward": forward})
+        modules[name] = cls()
+        modules[name].conv1d = nn.Conv1d(4, 4, 3, groups=4)
+    assert kernel_of(modules["attribute"]) is None
+    assert kernel_of(modules["global"]) == "torch_chunk_gated_delta_rule"
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("n", [2, 4])
 def test_integer_states_equal_one_process_to_the_bit(pool, n, layout):

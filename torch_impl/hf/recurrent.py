@@ -21,6 +21,7 @@ model's own functions, called over a halo / with the identity state). Checkpoint
 checkpointing the forward runs again in backward, after the context is gone.
 """
 
+import dis
 import inspect
 import types
 
@@ -49,9 +50,11 @@ FUSED = ("mamba2_split_conv1d_scan_combined", "mamba_inner_fn")
 
 def kernel_of(module: nn.Module) -> str | None:
     """The chunked kernel a linear-attention module's forward calls (a KERNELS key), where it also
-    calls CONV with its own `conv1d`; else None."""
+    calls CONV with its own `conv1d`; else None. Only the forward's global names count: those are
+    what apply_recurrent replaces (a `self.causal_conv1d_fn` attribute is not)."""
     code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
-    names = code.co_names if code is not None else ()
+    loads = dis.get_instructions(code) if code is not None else ()
+    names = {i.argval for i in loads if i.opname == "LOAD_GLOBAL"}
     kernel = next((name for name in KERNELS if name in names), None)
     conv = isinstance(getattr(module, "conv1d", None), nn.Conv1d) and CONV in names
     return kernel if conv else None
