@@ -161,12 +161,14 @@ def parser(doc, json_path):
     return p
 
 
-def main(argv=None):
-    args = parser(__doc__, "out/dpo_cost.json").parse_args(argv)
+def main(argv=None, doc=__doc__, name="dpo_cost", build=trainer):
+    """The benchmark `name` (this one, or benchmarks.grpo_cost with its trainer `build`): each
+    (variant, L) in a child process, the rows written as JSON and printed as the docs' table."""
+    args = parser(doc, f"out/{name}.json").parse_args(argv)
     if args.child:
-        return child(args)
+        return child(args, build)
     args.lens = [int(x) for x in args.lens.split(",")]
-    rows = run(args)
+    rows = run(args, f"benchmarks.{name}")
     results.write(args.json, args, rows)
     from benchmarks import report
 

@@ -14,12 +14,9 @@ steps aside), so its memory is one process's, not bounded by CP. The model, the 
 is measured: benchmarks/dpo_cost.py's.
 """
 
-import json
-
 import torch
 
 from benchmarks import dpo_cost
-from cp_support import results
 
 
 def trainer(variant, L, out):
@@ -59,17 +56,7 @@ def trainer(variant, L, out):
 
 
 def main(argv=None):
-    args = dpo_cost.parser(__doc__, "out/grpo_cost.json").parse_args(argv)
-    if args.child:
-        return dpo_cost.child(args, trainer)
-    args.lens = [int(x) for x in args.lens.split(",")]
-    rows = dpo_cost.run(args, "benchmarks.grpo_cost")
-    results.write(args.json, args, rows)
-    from benchmarks import report
-
-    with open(args.json) as f:
-        print(report.dpo_cost(json.load(f)))
-    return rows
+    return dpo_cost.main(argv, __doc__, "grpo_cost", trainer)
 
 
 if __name__ == "__main__":
