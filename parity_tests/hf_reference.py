@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parity_tests import bounds, expected, hf_models
-from parity_tests.zoo_cases import Float64Steps
+from parity_tests.zoo_cases import Float64Steps, document_spans, each_document_alone, isolates_recurrences
 
 
 def check_bytes(n):
@@ -149,8 +149,29 @@ def assert_path(results, name, chunks=1):
 
 def packed_reference(name, with_mask=False):
     """One process given packed rows (a Reference): position_ids restart at every document (no
-    attention_mask: transformers isolates the documents; with one: it does not)."""
-    return run_reference(hf_models.build(name), hf_models.make_packed_batch(with_mask), use_cache=False)
+    attention_mask: transformers isolates the documents; with one: it does not). A model with
+    recurrent layers runs each document alone (zoo_cases.each_document_alone): CP starts each
+    document's state from zero, where transformers' torch kernels carry it across."""
+    model, batch = hf_models.build(name), hf_models.make_packed_batch(with_mask)
+    if with_mask or not isolates_recurrences(model):
+        return run_reference(model, batch, use_cache=False)
+    model.eval()
+    with float64_steps(model), Float32Steps() as counted:
+        logits, loss = each_document_alone(model, batch)
+        loss.backward()
+    grads = {key: p.grad for key, p in model.named_parameters()}
+    forwards = sum(len(spans) for spans in document_spans(batch["position_ids"]))
+    config = model.config
+    return Reference(
+        model.state_dict(),
+        batch,
+        logits.detach(),
+        loss.detach(),
+        grads,
+        -(-counted.steps // forwards),  # a token's logits pass through one forward's float32 steps
+        config.num_hidden_layers,
+        config.num_attention_heads,
+    )
 
 
 def layer_kinds(config):

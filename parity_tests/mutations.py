@@ -395,6 +395,27 @@ MUTATIONS += [
         "reach = 0",
         ("parity_tests/test_hf.py", "-k", "float64 and qwen3_5-2"),
     ),
+    Mutation(  # packed rows: a Gated DeltaNet document's state not reset where it starts
+        "recurrent_state_not_reset_at_a_document_start",
+        "torch_impl/hf/recurrent.py",
+        "start[b : b + 1] if head and carried[b, 0] else torch.zeros_like(start[b : b + 1]),",
+        "start[b : b + 1],",
+        ("parity_tests/test_hf.py", "-k", "packed_sequences_equal and qwen3_5-contiguous"),
+    ),
+    Mutation(  # packed rows: the earlier chunks' Mamba2 state reaching past a document start
+        "mamba_state_past_a_document_start",
+        "torch_impl/hf/recurrent.py",
+        "reached = reached if split is None else reached * split[0][..., None]",
+        "reached = reached",
+        ("parity_tests/test_hf.py", "-k", "packed_sequences_equal and bamba-contiguous"),
+    ),
+    Mutation(  # packed rows: the conv in front of a linear attention reading across a document start
+        "recurrent_conv_across_a_document_start",
+        "torch_impl/hf/recurrent.py",
+        "        first = self.packed.first_rows()\n        if first is None:\n            out = conv(",
+        "        first = self.packed.first_rows()\n        if True:\n            out = conv(",
+        ("parity_tests/test_hf.py", "-k", "packed_sequences_equal and qwen3_5-contiguous"),
+    ),
     Mutation(  # the layer's transition read transposed
         "recurrent_transition_transposed",
         "torch_impl/hf/recurrent.py",

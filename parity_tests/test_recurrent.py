@@ -289,3 +289,24 @@ def test_selective_scan_random_states_equal_one_process(pool, layout):
         for key in ("dt", "z"):
             bound = gamma * S * ref_grads[key].abs().max()
             bounds.check((grads[key] - ref_grads[key][..., rows]).abs().max(), bound, f"grad of {key}")
+
+
+# --- packed documents: the pieces a chunk's recurrence runs from zero -------------------------
+
+
+def test_a_chunk_is_cut_where_its_documents_begin():
+    """Documents [0, 5), [5, 12), [12, 20) in one row, [0, 20) in another: the chunk [8, 16)
+    takes the earlier chunks' state for rows 8..11 of the first row only, and runs that row in
+    two pieces; a chunk that begins with a document takes no state; a chunk without a start in
+    any row runs whole (None)."""
+    from torch_impl.hf.recurrent import pieces
+    from torch_impl.layout import document_starts
+
+    ids = torch.tensor([[0] * 5 + [1] * 7 + [2] * 8, [0] * 20])
+    first = document_starts(ids)
+    carried, runs = pieces(first, 8, 16)
+    assert carried.tolist() == [[True] * 4 + [False] * 4, [True] * 8]
+    assert runs == [[(0, 4), (4, 8)], [(0, 8)]]
+    carried, runs = pieces(first[:1], 12, 16)
+    assert carried.tolist() == [[False] * 4] and runs == [[(0, 4)]]
+    assert pieces(first, 14, 20) is None and pieces(None, 0, 8) is None

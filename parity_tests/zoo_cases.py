@@ -67,12 +67,56 @@ def _entered(*managers):
         yield
 
 
-def _run(model, batch):
+def _run(model, batch, alone=False):
+    """(logits, loss, gradients) of the model on the batch; alone: each packed document alone."""
     with Float64Steps():
-        out = model(**batch)
-        out.loss.backward()
+        if alone:
+            logits, loss = each_document_alone(model, batch)
+        else:
+            out = model(**batch)
+            logits, loss = out.logits, out.loss
+        loss.backward()
     grads = {key: p.grad for key, p in model.named_parameters()}
-    return out.logits.detach(), out.loss.detach(), grads
+    return logits.detach(), loss.detach(), grads
+
+
+def document_spans(positions):
+    """Per row of position_ids [B, S], the [lo, hi) of each packed document: a document begins
+    where the positions do not go on by one (transformers' find_packed_sequence_indices)."""
+    spans = []
+    for row in positions.tolist():
+        starts = [0] + [t for t in range(1, len(row)) if row[t] != row[t - 1] + 1] + [len(row)]
+        spans.append(list(zip(starts[:-1], starts[1:], strict=True)))
+    return spans
+
+
+def each_document_alone(model, batch):
+    """The model in one process on each packed document of `batch` alone (a row of its own, its
+    own positions): the logits [B, S, V] in the batch's places, and the model's loss over them
+    (labels shifted over the whole row, as the packed forward takes it). What CP gives a model
+    with recurrent layers on packed rows: each document's state starts from zero."""
+    rows = []
+    for b, spans in enumerate(document_spans(batch["position_ids"])):
+        one = [
+            model(
+                input_ids=batch["input_ids"][b : b + 1, lo:hi],
+                position_ids=batch["position_ids"][b : b + 1, lo:hi],
+            )
+            for lo, hi in spans
+        ]
+        rows.append(torch.cat([out.logits for out in one], dim=1))
+    logits = torch.cat(rows)
+    vocab = model.config.get_text_config().vocab_size
+    return logits, model.loss_function(logits=logits, labels=batch["labels"], vocab_size=vocab)
+
+
+def isolates_recurrences(model):
+    """Whether `model` has linear-attention layers that CP runs per packed document (a recurrence
+    torch_impl.hf.recurrent knows, in a model that isolates packed documents)."""
+    from torch_impl.hf.documents import isolates_documents
+    from torch_impl.hf.recurrent import is_known
+
+    return bool(isolates_documents(model.modules())) and any(is_known(m) for m in model.modules())
 
 
 def _error(e):
@@ -125,8 +169,11 @@ def _compare(group, model_type, case, cp, checkpointing, task):
         for each, kwargs in ((one_process, {"use_reentrant": False}), (model, hf.checkpoint_kwargs())):
             each.train()
             each.activation_checkpointing_enable(activation_checkpointing_kwargs=float64_recompute(kwargs))
-    try:
-        reference = _run(one_process, batch)
+    try:  # packed rows in a model with recurrences: CP runs each document's state from zero
+        alone = (
+            "position_ids" in batch and "attention_mask" not in batch and isolates_recurrences(one_process)
+        )
+        reference = _run(one_process, batch, alone)
     except Exception as e:  # one process cannot run the batch
         return {"verdict": "skipped", "why": _error(e)}
     if not torch.isfinite(reference[0]).all():

@@ -1,12 +1,13 @@
 """`parallelize`: every token-mixing module of a model checked and planned before anything changes,
 then the model's attention switched to the registered implementation and hooks added."""
 
-from functools import partial
+from contextlib import contextmanager
 import inspect
 import logging
 import re
 import sys
 
+import torch
 from torch import nn
 import torch.distributed as dist
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -15,7 +16,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from torch_impl import _group
-from torch_impl.hf._common import IMPLEMENTATION, INDEXED, mix
+from torch_impl.hf._common import IMPLEMENTATION, INDEXED, RUNNING, mix
 from torch_impl.hf.attention import AttentionSetup, temperature_scale
 from torch_impl.hf.documents import isolates_documents
 from torch_impl.hf.heads import apply_head, check_head
@@ -419,8 +420,25 @@ def checkpoint_kwargs() -> dict:
     twice forward. Required with torch.compile: recomputed inside a compiled backward, a collective
     whose output a rank does not need (rank 0's empty halo) is dropped by the compiler on that rank
     only, and its peers wait forever. (Eager recomputation runs every collective on every rank
-    again, in order.)"""
-    return {
-        "use_reentrant": False,
-        "context_fn": partial(create_selective_checkpoint_contexts, _save_collectives_and_attention),
-    }
+    again, in order.) The recomputation runs in the forward's Context (RUNNING), which holds what
+    its recurrent layers read of packed documents."""
+    return {"use_reentrant": False, "context_fn": _checkpoint_contexts}
+
+
+def _checkpoint_contexts():
+    """checkpoint's context_fn, called as a checkpointed layer's forward starts: the selective
+    policy's two contexts, the recomputation's also restoring that forward's Context."""
+    forward, recompute = create_selective_checkpoint_contexts(_save_collectives_and_attention)
+    if torch.compiler.is_compiling():  # compiled, the recomputation is traced with the forward
+        return forward, recompute
+    return forward, _in_context(RUNNING.context, recompute)
+
+
+@contextmanager
+def _in_context(context, inner):
+    outer, RUNNING.context = RUNNING.context, context
+    try:
+        with inner:
+            yield
+    finally:
+        RUNNING.context = outer

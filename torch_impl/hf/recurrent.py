@@ -17,11 +17,12 @@ whatever the length), and o = o_0 + M S_in. The conv takes its K - 1 preceding i
 Nothing global changes: the module's forward is its class's own function with a copy of its
 module's globals in which `causal_conv1d_fn` and the chunked kernel are the CP versions below (the
 model's own functions, called over a halo / with the identity state). Checkpoints are unaffected
-(the parameters are the module's own). The hooks read no forward context: under activation
-checkpointing the forward runs again in backward, after the context is gone.
+(the parameters are the module's own). Of the forward's context they read only its packed
+documents (Packed): each document's state starts from zero and its conv reads nothing before it.
 """
 
 import dis
+from functools import partial
 import inspect
 import types
 
@@ -30,8 +31,8 @@ from torch import nn
 
 from torch_impl import _group
 from torch_impl.halo import gather_halo
-from torch_impl.hf._common import stepping_aside
-from torch_impl.layout import ShardPlan
+from torch_impl.hf._common import RUNNING, stepping_aside
+from torch_impl.layout import ShardPlan, document_starts
 from torch_impl.state import gather_state
 
 CONV = "causal_conv1d_fn"  # (x [B, C, L], weight [C, K], bias, activation) -> [B, C, L]
@@ -130,13 +131,69 @@ def _unfused(*args, **kwargs):
     return None
 
 
+class Packed:
+    """Packed documents in a recurrent layer: a document start resets the state and the conv reads
+    nothing before it, as if each document ran alone. The documents are the forward's (its
+    Context, built from the gathered positions where the model isolates packed documents:
+    torch_impl.hf.documents). Under activation checkpointing the recomputation finds the forward's
+    Context again through hf.checkpoint_kwargs()'s context_fn; recomputed without it, a layer that
+    saw documents in its forward raises rather than mix them."""
+
+    def __init__(self):
+        self.seen = False  # whether this layer's latest sharded forward had packed documents
+
+    def first_rows(self):
+        """int64 [B, S] by global row: the first row of each token's document (None: no documents)."""
+        context = RUNNING.context
+        if context is None:
+            if self.seen:
+                raise ValueError(
+                    "torch_impl.hf: a recurrent layer given packed documents was recomputed under "
+                    "activation checkpointing without hf.checkpoint_kwargs() (its context_fn carries the "
+                    "documents into the recomputation); enable checkpointing with those kwargs"
+                )
+            return None
+        documents = getattr(context, "documents", None)
+        self.seen = documents is not None
+        return None if documents is None else document_starts(documents.ids)
+
+
+def pieces(first, start, stop):
+    """For the global rows [start, stop) of each batch row: bool [B, T] whether a token's document
+    began before `start` (the state coming in reaches it), and per row the pieces [lo, hi) (local
+    to the rows) that run from zero, cut where a document begins; None where no document begins
+    in them (one piece per row, every token reached). `first`: Packed.first_rows(), or None."""
+    if first is None:
+        return None
+    first = first[:, start:stop]  # [B, T]
+    carried = first < start
+    begins = first == torch.arange(start, stop, device=first.device)  # [B, T]
+    begins[:, 0] = True
+    if carried.all():
+        return None
+    cuts = [[t for t, b in enumerate(row) if b] + [stop - start] for row in begins.tolist()]
+    return carried, [list(zip(row[:-1], row[1:], strict=True)) for row in cuts]
+
+
+def by_piece(run, runs, dim):
+    """Each row's pieces run alone from zero (`run(b, lo, hi, first)` -> (outputs [1, ...],
+    final state [1, ...]); `first`: the row's first piece), the outputs concatenated along `dim`
+    and the last piece's final state, stacked over the rows."""
+    outs, finals = [], []
+    for b, row in enumerate(runs):
+        parts = [run(b, lo, hi, i == 0) for i, (lo, hi) in enumerate(row)]
+        outs.append(torch.cat([out for out, _ in parts], dim=dim))
+        finals.append(parts[-1][1])
+    return torch.cat(outs), None if finals[0] is None else torch.cat(finals)
+
+
 class ConvHalo:
     """The model's causal conv over each local chunk's K - 1 preceding inputs, then the chunk: the
     inputs travel as the sending rank computed them (the layer masks padding before its
     projections, as in one process), so no mask travels."""
 
     def __init__(self, conv, group, layout):
-        self.conv, self.group, self.layout = conv, group, layout
+        self.conv, self.group, self.layout, self.packed = conv, group, layout, Packed()
 
     def __call__(self, x, weight, bias=None, activation=None, seq_idx=None, **kwargs):
         # x: [B, C, L]; weight: [C, K]
@@ -146,17 +203,37 @@ class ConvHalo:
         n, r, L = _group.world_size(self.group), _group.rank(self.group), x.shape[-1]
         reach = weight.shape[-1] - 1
         halo = gather_halo(x.transpose(1, 2), self.group, reach, layout=self.layout)  # [B, T, C]
-        out = self.conv(halo.transpose(1, 2), weight, bias, activation=activation, **kwargs)  # [B, C, T]
+        conv = partial(self.conv, weight=weight, bias=bias, activation=activation, **kwargs)
         windows = ShardPlan.of(self.layout, n, r, L).windows(reach)
-        kept = [out[:, :, w.own] for w in windows]  # [B, C, L/k] each
+        first = self.packed.first_rows()
+        if first is None:
+            out = conv(halo.transpose(1, 2))  # [B, C, T]
+            kept = [out[:, :, w.own] for w in windows]  # [B, C, L/k] each
+        else:
+            kept = [conv_by_document(conv, halo.transpose(1, 2)[:, :, w.segment], w, first) for w in windows]
         return kept[0] if len(kept) == 1 else torch.cat(kept, dim=-1)  # [B, C, L]
+
+
+def conv_by_document(conv, x, w, first):
+    """A causal conv over one local chunk's segment x [B, C, T] (zeros, the window w's halo, the
+    chunk) whose outputs read nothing before their document's start: each document's piece of the
+    window convolved alone. The chunk's outputs, [B, C, w.end - w.start]."""
+    split = pieces(first, w.first_key, w.end)
+    own = w.end - w.start
+    if split is None:
+        return conv(x)[:, :, -own:]
+    zeros = x.shape[-1] - (w.end - w.first_key)  # the segment's rows before global row first_key
+    out, _ = by_piece(
+        lambda b, lo, hi, _: (conv(x[b : b + 1, :, zeros + lo : zeros + hi]), None), split[1], -1
+    )
+    return out[:, :, -own:]
 
 
 class ChunkState:
     """The model's chunked kernel over each local chunk from the state the earlier chunks leave."""
 
     def __init__(self, kernel, group, layout):
-        self.kernel, self.group, self.layout = kernel, group, layout
+        self.kernel, self.group, self.layout, self.packed = kernel, group, layout, Packed()
 
     def __call__(
         self, query, key, value, g, beta, *args, initial_state=None, output_final_state=False, **kwargs
@@ -173,20 +250,38 @@ class ChunkState:
         # [B, H, dk, dv + dk]: zeros beside the identity, so the final state is [B | A]
         start = torch.eye(dk, device=value.device).expand(B, H, dk, dk)
         start = torch.cat([start.new_zeros(B, H, dk, dv), start], dim=-1)
-        outs, maps = [], []
+        outs, maps, first = [], [], self.packed.first_rows()
         for w in ShardPlan.of(self.layout, n, r, L).windows(0):
             rows = w.queries
             wide = torch.cat([value[:, rows], value.new_zeros(B, rows.stop - rows.start, H, dk)], dim=-1)
-            out, final = self.kernel(  # the kernel's float32 outputs: query given as float32
-                query[:, rows].float(),
-                key[:, rows],
-                wide,  # [B, C, H, dv + dk]
-                g=g[:, rows],
-                beta=beta[:, rows],
-                initial_state=start,
-                output_final_state=True,
-                **kwargs,
-            )
+
+            def run(b, part, state, rows=rows, wide=wide):  # rows `part` of the chunk, batch rows b
+                at = slice(rows.start + part.start, rows.start + part.stop)
+                return self.kernel(  # the kernel's float32 outputs: query given as float32
+                    query[b, at].float(),
+                    key[b, at],
+                    wide[b, part],  # [B, C, H, dv + dk]
+                    g=g[b, at],
+                    beta=beta[b, at],
+                    initial_state=state,
+                    output_final_state=True,
+                    **kwargs,
+                )
+
+            split = pieces(first, w.start, w.end)
+            if split is None:
+                out, final = run(slice(None), slice(0, w.end - w.start), start)
+            else:  # a piece after a document start runs from zero: no M, and A = 0 if it is the last
+                carried, runs = split
+                out, final = by_piece(
+                    lambda b, lo, hi, head, carried=carried, run=run: run(
+                        slice(b, b + 1),
+                        slice(lo, hi),
+                        start[b : b + 1] if head and carried[b, 0] else torch.zeros_like(start[b : b + 1]),
+                    ),
+                    runs,
+                    dim=1,
+                )
             outs.append(out)  # [B, C, H, dv + dk]: o_0 | M
             maps.append(final)  # [B, H, dk, dv + dk]: B | A
         maps = torch.stack(maps, dim=1)  # [B, k, H, dk, dv + dk]
@@ -210,7 +305,7 @@ class MambaScan:
     second pass over the shard. gather_state folds (a, B) with S as [1, P * N]."""
 
     def __init__(self, scan, group, layout):
-        self.scan, self.group, self.layout = scan, group, layout
+        self.scan, self.group, self.layout, self.packed = scan, group, layout, Packed()
 
     def __call__(
         self,
@@ -238,28 +333,37 @@ class MambaScan:
         n, r, L = _group.world_size(self.group), _group.rank(self.group), hidden_states.shape[1]
         (batch, _, H, P), N = hidden_states.shape, B.shape[-1]
         discrete = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
-        outs, decays, maps = [], [], []
+        outs, decays, maps, first = [], [], [], self.packed.first_rows()
         for w in ShardPlan.of(self.layout, n, r, L).windows(0):
             rows = w.queries
-            y0, final = self.scan(  # [B, C, H, P], [B, H, P, N]
-                hidden_states[:, rows], dt[:, rows], A, B[:, rows], C[:, rows], chunk_size,
-                return_final_states=True, **discrete, **kwargs,
-            )  # fmt: skip
+
+            def run(b, lo, hi, _, rows=rows):  # batch rows b, rows [lo, hi) of the chunk, from zero
+                at = slice(rows.start + lo, rows.start + hi)
+                return self.scan(  # [B, C, H, P], [B, H, P, N]
+                    hidden_states[b, at], dt[b, at], A, B[b, at], C[b, at], chunk_size,
+                    return_final_states=True, **discrete, **kwargs,
+                )  # fmt: skip
+
+            split = pieces(first, w.start, w.end)
+            if split is None:
+                y0, final = run(slice(None), 0, w.end - w.start, True)
+            else:
+                y0, final = by_piece(lambda b, *part: run(slice(b, b + 1), *part), split[1], dim=1)
             step = dt[:, rows] if dt_bias is None else dt[:, rows] + dt_bias.to(dt.dtype)
             step = torch.nn.functional.softplus(step) if dt_softplus else step
             step = torch.clamp(step, min=dt_limit[0], max=dt_limit[1])
-            log_decay = (A.float() * step.float()).cumsum(dim=1)  # [B, C, H]: to each token, inclusive
-            outs.append((y0, log_decay, C[:, rows]))
-            decays.append(log_decay[:, -1].exp()[..., None, None])  # [B, H, 1, 1]: a
+            # [B, C, H]: the decay to each token, inclusive (0 after a document start)
+            reached = (A.float() * step.float()).cumsum(dim=1).exp()
+            reached = reached if split is None else reached * split[0][..., None]
+            outs.append((y0, reached, C[:, rows]))
+            decays.append(reached[:, -1][..., None, None])  # [B, H, 1, 1]: a
             maps.append(final.reshape(batch, H, 1, P * N))  # [B, H, 1, P * N]: B
         # [B, k, H, P, N]: the state each local chunk starts from
         states = gather_state(torch.stack(decays, 1), torch.stack(maps, 1), self.group, layout=self.layout)
         states = states.reshape(batch, len(outs), H, P, N)
         out = []
-        for i, (y0, log_decay, c) in enumerate(outs):
-            c = (
-                c.float().repeat_interleave(H // c.shape[2], dim=2) * log_decay.exp()[..., None]
-            )  # [B, C, H, N]
+        for i, (y0, reached, c) in enumerate(outs):
+            c = c.float().repeat_interleave(H // c.shape[2], dim=2) * reached[..., None]  # [B, C, H, N]
             out.append(y0 + torch.einsum("bthn,bhpn->bthp", c, states[:, i]))  # [B, C, H, P]
         return out[0] if len(out) == 1 else torch.cat(out, dim=1)  # [B, L, H, P]
 
@@ -274,7 +378,7 @@ class SelectiveScan:
     (a, B) with each of the D * N state entries its own 1 x 1 map."""
 
     def __init__(self, scan, group, layout):
-        self.scan, self.group, self.layout = scan, group, layout
+        self.scan, self.group, self.layout, self.packed = scan, group, layout, Packed()
 
     def __call__(
         self, u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
@@ -288,17 +392,27 @@ class SelectiveScan:
         _check_stateless((), return_last_state, kwargs.get("cu_seqlens"), kwargs.get("seq_idx"))
         n, r, L = _group.world_size(self.group), _group.rank(self.group), u.shape[-1]
         (batch, channels, _), N = u.shape, A.shape[-1]
-        outs, decays, maps = [], [], []
+        outs, decays, maps, first = [], [], [], self.packed.first_rows()
         for w in ShardPlan.of(self.layout, n, r, L).windows(0):
             rows = w.queries
-            y0, final = self.scan(  # [batch, D, C], [batch, D, N]
-                u[..., rows], dt[..., rows], A, B[..., rows], C[..., rows], D=D, z=None,
-                delta_bias=delta_bias, delta_softplus=delta_softplus, return_last_state=True, **kwargs,
-            )  # fmt: skip
+
+            def run(b, lo, hi, _, rows=rows):  # batch rows b, rows [lo, hi) of the chunk, from zero
+                at = slice(rows.start + lo, rows.start + hi)
+                return self.scan(  # [batch, D, C], [batch, D, N]
+                    u[b, :, at], dt[b, :, at], A, B[b, :, at], C[b, :, at], D=D, z=None,
+                    delta_bias=delta_bias, delta_softplus=delta_softplus, return_last_state=True, **kwargs,
+                )  # fmt: skip
+
+            split = pieces(first, w.start, w.end)
+            if split is None:
+                y0, final = run(slice(None), 0, w.end - w.start, True)
+            else:
+                y0, final = by_piece(lambda b, *part: run(slice(b, b + 1), *part), split[1], dim=2)
             step = dt[..., rows] if delta_bias is None else dt[..., rows] + delta_bias.to(dt.dtype)[..., None]
             step = torch.nn.functional.softplus(step) if delta_softplus else step
             elapsed = step.to(torch.promote_types(step.dtype, A.dtype)).cumsum(dim=-1)  # [batch, D, C]
             decay = (A[:, None, :] * elapsed[..., None]).exp()  # [batch, D, C, N]: to each token
+            decay = decay if split is None else decay * split[0][:, None, :, None]  # 0 after a start
             outs.append((y0, decay, C[..., rows]))
             decays.append(decay[:, :, -1].reshape(batch, channels * N, 1, 1))  # a
             maps.append(final.reshape(batch, channels * N, 1, 1).to(decay.dtype))  # B
@@ -326,7 +440,7 @@ class LightningAttention:
     float32). An unsharded call runs the module's own forward."""
 
     def __init__(self, module, group, layout):
-        self.module, self.group, self.layout = module, group, layout
+        self.module, self.group, self.layout, self.packed = module, group, layout, Packed()
 
     def __call__(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
         m = self.module
@@ -341,14 +455,29 @@ class LightningAttention:
             qkv = (qkv * attention_mask[:, :, None]).to(qkv.dtype)
         q, k, v = qkv.reshape(batch, L, H, -1).transpose(1, 2).chunk(3, dim=-1)  # [B, H, L, D] each
         rate = m.slope_rate.to(torch.promote_types(m.slope_rate.dtype, torch.float32))  # [H, 1, 1]
-        outs, decays, maps = [], [], []
+        outs, decays, maps, first = [], [], [], self.packed.first_rows()
         for w in ShardPlan.of(self.layout, n, r, L).windows(0):
             rows = w.queries
             C = rows.stop - rows.start
-            o0, final = from_zero(m, q[:, :, rows], k[:, :, rows], v[:, :, rows])  # [B, H, C, D], [.., D, D]
+            split = pieces(first, w.start, w.end)
+            if split is None:
+                o0, final = from_zero(
+                    m, q[:, :, rows], k[:, :, rows], v[:, :, rows]
+                )  # [B, H, C, D], [.., D, D]
+            else:
+                start = rows.start
+                o0, final = by_piece(
+                    lambda b, lo, hi, _, s=start: from_zero(
+                        m, *(x[b : b + 1, :, s + lo : s + hi] for x in (q, k, v))
+                    ),
+                    split[1],
+                    dim=2,
+                )
             places = torch.arange(1, C + 1, device=q.device, dtype=rate.dtype)[:, None]  # [C, 1]
-            outs.append((o0, q[:, :, rows], (-rate * places).exp()))  # decay [H, C, 1]: exp(-s (t + 1))
-            decays.append((-rate * C).exp().expand(batch, H, 1, 1))  # [B, H, 1, 1]: exp(-s C)
+            decay = (-rate * places).exp().expand(batch, H, C, 1)  # exp(-s (t + 1)); 0 after a start
+            decay = decay if split is None else decay * split[0][:, None, :, None]
+            outs.append((o0, q[:, :, rows], decay))
+            decays.append(decay[:, :, -1:])  # [B, H, 1, 1]: exp(-s C) (0 after a start)
             maps.append(final.reshape(batch, H, 1, -1).to(rate.dtype))  # [B, H, 1, D * D]: B
         # [B, k, H, D, D]: the state each local chunk starts from
         states = gather_state(torch.stack(decays, 1), torch.stack(maps, 1), self.group, layout=self.layout)
@@ -390,7 +519,7 @@ class ConvModuleHalo:
     the sending rank computed them, as in ConvHalo."""
 
     def __init__(self, conv, group, layout):
-        self.group, self.layout, self.lengths = group, layout, []
+        self.group, self.layout, self.lengths, self.packed = group, layout, [], Packed()
         conv.register_forward_pre_hook(self.before)
         conv.register_forward_hook(self.after, always_call=True)
 
@@ -410,7 +539,12 @@ class ConvModuleHalo:
         n, r, T = _group.world_size(self.group), _group.rank(self.group), args[0].shape[-1]
         causal = out[..., :T]  # [B, C, T]: the last K - 1 outputs read the right padding
         windows = ShardPlan.of(self.layout, n, r, L).windows(conv.kernel_size[0] - 1)
-        kept = [causal[:, :, w.own] for w in windows]  # [B, C, L/k] each
+        first = self.packed.first_rows()
+        if first is None:
+            kept = [causal[:, :, w.own] for w in windows]  # [B, C, L/k] each
+        else:  # packed documents: each document's piece again, alone
+            alone = lambda x: conv._conv_forward(x, conv.weight, conv.bias)[..., : x.shape[-1]]  # noqa: E731
+            kept = [conv_by_document(alone, args[0][:, :, w.segment], w, first) for w in windows]
         return kept[0] if len(kept) == 1 else torch.cat(kept, dim=-1)  # [B, C, L]
 
 
