@@ -215,6 +215,68 @@ def test_packed_documents_are_isolated():
     assert (packed - masked).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("name", ["qwen3_5", "bamba"])
+def test_one_rank_keeps_packed_documents_apart_in_recurrent_layers(name):
+    """Without CP (`parallelize` with no group), a model with recurrent layers is given only the
+    documents' isolation: on packed rows, training with activation checkpointing
+    (hf.checkpoint_kwargs()), it equals each document alone (logits, loss, every gradient), which
+    one process through transformers' torch kernels does not; padded rows and generation are
+    the model's own, to the bit. Bounds: the sweep's float64 ones (zoo_cases), both sides
+    keeping the model's float32 steps in float64."""
+    import copy
+
+    from parity_tests.zoo_cases import Float64Steps, each_document_alone, float64_recompute
+
+    model = hf_models.build(name)
+    alone, plain = copy.deepcopy(model), copy.deepcopy(model)
+    hf.parallelize(model, None, verbose=False)
+    assert "each packed document from zero" in str(model.cp_transport_paths)
+    model.train()
+    kwargs = float64_recompute(hf.checkpoint_kwargs())  # recomputed as the forward ran
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    batch = hf_models.make_packed_batch()
+    with Float64Steps():
+        ref_logits, ref_loss = each_document_alone(alone, batch)
+        ref_loss.backward()
+        out = model(**hf.shard_batch(batch, None))
+        out.loss.backward()
+        packed = plain(**batch, use_cache=False).logits
+    (B, S), config, u = batch["input_ids"].shape, model.config, bounds.u("float64")
+    scale = ref_logits.abs().max()
+    bounds.check(
+        (out.logits - ref_logits).abs().max(),
+        2 * config.num_hidden_layers * (S + config.hidden_size) * u * scale,
+        "logits",
+    )
+    assert (packed - ref_logits).abs().max() > 1e-3 * scale  # transformers' kernels mix the documents
+    bounds.check(abs(out.loss - ref_loss), 2 * (B * S + 1) * u * abs(ref_loss) + 1e-12, "loss")
+    grads = {key: p.grad for key, p in alone.named_parameters()}
+    largest = max(g.abs().max() for g in grads.values() if g is not None)
+    bound = 2 * (B * S * config.num_attention_heads + config.num_hidden_layers * S) * u * largest
+    for key, p in model.named_parameters():
+        if grads[key] is not None:
+            bounds.check((p.grad - grads[key]).abs().max(), bound, f"grad of {key}")
+    model.eval()
+    padded = hf_models.make_batch()
+    with torch.no_grad():
+        assert torch.equal(model(**padded).logits, plain(**padded).logits)
+        prompt = padded["input_ids"][:1, :8]
+        generated = model.generate(prompt, max_new_tokens=3, do_sample=False)
+        assert torch.equal(generated, plain.generate(prompt, max_new_tokens=3, do_sample=False))
+
+
+def test_packed_documents_recomputed_without_their_context_raise():
+    """Activation checkpointing without hf.checkpoint_kwargs() recomputes a layer after the
+    forward's documents are gone: a recurrent layer that saw them raises, naming the kwargs, rather
+    than mix the documents in backward."""
+    model = hf.parallelize(hf_models.build("qwen3_5"), None, verbose=False)
+    model.train()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    out = model(**hf.shard_batch(hf_models.make_packed_batch(), None))
+    with pytest.raises(ValueError, match=r"without hf.checkpoint_kwargs\(\)"):
+        out.loss.backward()
+
+
 # --- torch.compile ----------------------------------------------------------------------------
 
 

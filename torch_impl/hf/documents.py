@@ -12,6 +12,11 @@ family) gets packed rows refused until it is added: `make models` runs every fam
 against one process, so a wrong entry shows there as a wrong family.
 """
 
+from functools import partial
+
+from torch_impl.hf._common import RUNNING, Arguments, Aside, Context
+from torch_impl.layout import Documents, ShardPlan, packed_ids
+
 _ISOLATING = """
     AXK1Model AXK2Model ApertusModel ArceeModel AriaTextModel BailingHybridModel BambaModel
     BeamModel BitNetModel BltModel CTRLModel CodeGenModel Cohere2Model Cohere2MoeModel
@@ -58,3 +63,53 @@ def isolates_documents(modules):
                     return ISOLATES[cls.__name__]
                 break
     return None
+
+
+class OneRankDocuments:
+    """Without CP (one rank), a forward pre-hook on the module receiving the inputs of a model
+    with linear-attention layers that isolates packed documents, so that those layers keep the
+    documents apart as they do under CP (torch_impl.hf.recurrent.Packed), where transformers' torch
+    kernels would carry the state across them. Packed rows (position_ids, no attention_mask, no
+    cache: transformers' rule for isolating them) get a Context holding their documents; any other
+    call runs as the model does (Aside: the model's own kernels). Nothing is communicated."""
+
+    def __init__(self, module, owner):
+        self.arguments, self.owner, self.outer = Arguments(module.forward), owner, []
+
+    def __call__(self, module, args, kwargs):
+        current = RUNNING.context
+        if current is not None and current.owner == self.owner:  # an outer hooked module prepared it
+            return None
+        argument = partial(self.arguments.get, args, kwargs)
+        positions, tokens = argument("position_ids"), argument("input_ids")
+        tokens = argument("inputs_embeds") if tokens is None else tokens
+        packed = (
+            positions is not None
+            and positions.dim() == 2
+            and argument("attention_mask") is None
+            and argument("past_key_values") is None
+            and not creates_cache(module, argument)
+        )
+        self.outer.append(current)
+        if packed:
+            (B, L) = tokens.shape[:2]
+            documents = Documents(packed_ids(positions.expand(B, -1)), None)
+            shard = ShardPlan.of("contiguous", 1, 0, L)
+            RUNNING.context = Context(self.owner, None, shard, documents, None, None, None)
+        else:
+            RUNNING.context = Aside(self.owner, None)
+        return None
+
+    def done(self, module, args, kwargs, output):
+        """The forward hook (always called): the context this forward's pre-hook set is unset."""
+        if self.outer:
+            RUNNING.context = self.outer.pop()
+
+
+def creates_cache(module, argument):
+    """Whether the model will make itself a KV cache in this call, as transformers decides (its
+    `merge_with_config_defaults`: use_cache, else the config's, off while checkpointing in training);
+    with one it does not look for packed sequences."""
+    use_cache = argument("use_cache")
+    use_cache = getattr(module.config, "use_cache", False) if use_cache is None else use_cache
+    return bool(use_cache) and not (getattr(module, "gradient_checkpointing", False) and module.training)

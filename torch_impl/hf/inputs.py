@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from torch_impl import _group, validation
 from torch_impl.hf._common import IMPLEMENTATION, INDEXED, RUNNING, Arguments, Aside, Context
+from torch_impl.hf.documents import creates_cache as _creates_cache
 from torch_impl.hf.indexed import IndexedContext
 from torch_impl.layout import Documents, ShardPlan, packed_ids, reach_of
 from torch_impl.layout import check as check_layout
@@ -303,15 +304,6 @@ def _config_setting(module, name, value):
 
 
 _UNSET = object()
-
-
-def _creates_cache(module, argument):
-    """Whether the model will make itself a KV cache in this call, as transformers decides (its
-    `merge_with_config_defaults`: use_cache, else the config's, off while checkpointing in training);
-    with one it does not look for packed sequences."""
-    use_cache = argument("use_cache")
-    use_cache = getattr(module.config, "use_cache", False) if use_cache is None else use_cache
-    return bool(use_cache) and not (getattr(module, "gradient_checkpointing", False) and module.training)
 
 
 def shard_batch(

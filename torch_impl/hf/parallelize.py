@@ -18,7 +18,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from torch_impl import _group
 from torch_impl.hf._common import IMPLEMENTATION, INDEXED, RUNNING, mix
 from torch_impl.hf.attention import AttentionSetup, temperature_scale
-from torch_impl.hf.documents import isolates_documents
+from torch_impl.hf.documents import OneRankDocuments, isolates_documents
 from torch_impl.hf.heads import apply_head, check_head
 from torch_impl.hf.indexed import AbsorbedMLA, BlockedIndexer
 from torch_impl.hf.inputs import MaskCountPositions, ModelInputs, PaddingIndexPositions, Positions
@@ -355,7 +355,9 @@ def parallelize(
 
     Every check runs before anything changes and before any communication, identically on every
     rank: a layer that cannot be made exact raises `ValueError` naming it and why. Without CP
-    (`group` None or of size 1) the model is returned untouched.
+    (`group` None or of size 1) the model is returned untouched, but for the linear-attention
+    layers of a model that isolates packed documents: they then keep each document apart, as under
+    CP (transformers' torch kernels carry the state across documents).
 
     layout: "contiguous" (rank r holds tokens [r*L, (r+1)*L)) or "head_tail" (chunks r and 2n-1-r:
         balanced causal work; torch_impl.layout); `shard_batch` must be given the same.
@@ -377,7 +379,7 @@ def parallelize(
     if not (isolate_documents is None or isinstance(isolate_documents, bool)):
         raise ValueError(f"`isolate_documents` must be None, True or False, got {isolate_documents!r}")
     if _group.world_size(group) == 1:
-        return model
+        return _one_rank(model, isolate_documents)
     decoder = _decoder(model)
     if decoder.config._attn_implementation == IMPLEMENTATION:
         raise _refuse("", model, "is already context-parallel")
@@ -402,6 +404,29 @@ def parallelize(
     log.info(summary)
     if verbose and dist.get_rank() == 0:
         print(summary, flush=True)
+    return model
+
+
+def _one_rank(model, isolates):
+    """Without CP: the model untouched, but for linear-attention layers in a model that isolates
+    packed documents, which then keep each document's state apart as under CP (documents.
+    OneRankDocuments); transformers' torch kernels would carry it across documents."""
+    decoder = _decoder(model)
+    linear = [module for module in decoder.modules() if is_known(module)]
+    hooked = list(dict.fromkeys([model.base_model, decoder]))
+    if not linear or not (isolates_documents(hooked) if isolates is None else isolates):
+        return model
+    if getattr(model, "cp_transport_paths", None) is not None:
+        raise _refuse("", model, "is already parallelized")
+    for module in hooked:
+        hook = OneRankDocuments(module, id(model))
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        module.register_forward_hook(hook.done, with_kwargs=True, always_call=True)
+    model.cp_transport_paths = {
+        type(module).__name__: f"{apply_recurrent(module, None, 'contiguous')}: each packed document from "
+        "zero, as under CP"
+        for module in linear
+    }
     return model
 
 
