@@ -409,12 +409,16 @@ MUTATIONS += [
         "reached = reached",
         ("parity_tests/test_hf.py", "-k", "packed_sequences_equal and bamba-contiguous"),
     ),
-    Mutation(  # packed rows: the conv in front of a linear attention reading across a document start
+    Mutation(  # packed rows: the convs reading across a document start
         "recurrent_conv_across_a_document_start",
         "torch_impl/hf/recurrent.py",
-        "        first = self.packed.first_rows()\n        if first is None:\n            out = conv(",
-        "        first = self.packed.first_rows()\n        if True:\n            out = conv(",
-        ("parity_tests/test_hf.py", "-k", "packed_sequences_equal and qwen3_5-contiguous"),
+        "keep = read[None] >= first[:, w.first_key : w.end, None]",
+        "keep = read[None] >= 0 * first[:, w.first_key : w.end, None]",
+        (
+            "parity_tests/test_hf.py",
+            "-k",
+            "packed_sequences_equal and (qwen3_5-contiguous or lfm2-contiguous)",
+        ),
     ),
     Mutation(  # the layer's transition read transposed
         "recurrent_transition_transposed",
@@ -433,8 +437,8 @@ MUTATIONS += [
     Mutation(  # a Mamba2 chunk's decay applied one token late to the state it receives
         "mamba_decay_one_token_late",
         "torch_impl/hf/recurrent.py",
-        "log_decay = (A.float() * step.float()).cumsum(dim=1)",
-        "log_decay = (A.float() * step.float()).cumsum(dim=1).roll(1, dims=1)",
+        "reached = (A.float() * step.float()).cumsum(dim=1).exp()",
+        "reached = (A.float() * step.float()).cumsum(dim=1).roll(1, dims=1).exp()",
         ("parity_tests/test_recurrent.py", "-k", "mamba2_random and contiguous"),
     ),
     Mutation(  # Mamba: a chunk corrected by the state of the rank's other chunk

@@ -38,7 +38,8 @@ def minimum_bytes(kind, size, r, n, L, B, config, item):
 
     Attention: K and V, over (n-1)*L tokens (full) or its halo of min(r*L, W-1) tokens (sliding);
     their padding mask arrives once per forward for every layer (`mask_bytes`). Conv:
-    its input over its halo of min(r*L, K-1) tokens, and forward its padding mask. Backward a rank
+    its input over its halo of min(r*L, K-1) tokens (masked by its sender: no mask travels).
+    Backward a rank
     receives the gradients of what it sent: (n-1)*L tokens (full) or its own tokens in later
     ranks' halos.
     """
@@ -54,7 +55,6 @@ def minimum_bytes(kind, size, r, n, L, B, config, item):
     dtype = "float64" if item == 8 else "float32"
     wanted = {
         ("forward", dtype): B * received * per_token,
-        ("forward", "mask"): B * received if kind == "conv" else 0,
         ("backward", dtype): B * sent * per_token,
     }
     return {key: value for key, value in wanted.items() if value}

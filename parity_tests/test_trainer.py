@@ -237,7 +237,7 @@ def test_trl_checkpointing_keeps_the_transports_and_the_attentions_outputs(runs)
     """SFTConfig turns activation checkpointing on; the mixin makes it hf.checkpoint_kwargs()'s."""
     for case, (kind, *_) in trainer_jobs.CASES.items():
         if kind == "sft":
-            assert "_save_collectives_and_attention" in runs["cp2"][case]["checkpointing"], case
+            assert "_checkpoint_contexts" in runs["cp2"][case]["checkpointing"], case
             assert "context_fn" not in runs["one"][case]["checkpointing"], case
 
 

@@ -111,12 +111,13 @@ def each_document_alone(model, batch):
 
 
 def isolates_recurrences(model):
-    """Whether `model` has linear-attention layers that CP runs per packed document (a recurrence
-    torch_impl.hf.recurrent knows, in a model that isolates packed documents)."""
+    """Whether `model` has linear-attention layers or short convs that CP runs per packed document
+    (torch_impl.hf.recurrent's, in a model that isolates packed documents)."""
     from torch_impl.hf.documents import isolates_documents
-    from torch_impl.hf.recurrent import is_known
+    from torch_impl.hf.recurrent import is_known, is_short_conv
 
-    return bool(isolates_documents(model.modules())) and any(is_known(m) for m in model.modules())
+    known = any(is_known(m) or is_short_conv(m) for m in model.modules())
+    return bool(isolates_documents(model.modules())) and known
 
 
 def _error(e):

@@ -22,8 +22,7 @@ from torch_impl.hf.documents import OneRankDocuments, isolates_documents
 from torch_impl.hf.heads import apply_head, check_head
 from torch_impl.hf.indexed import AbsorbedMLA, BlockedIndexer
 from torch_impl.hf.inputs import MaskCountPositions, ModelInputs, PaddingIndexPositions, Positions
-from torch_impl.hf.recurrent import KERNELS, apply_recurrent, is_known, is_lightning
-from torch_impl.hf.short_conv import ShortConvHalo
+from torch_impl.hf.recurrent import CONV, KERNELS, apply_recurrent, is_known, is_lightning, is_short_conv
 from torch_impl.layout import check as check_layout
 
 SUPPORTED_LAYER_TYPES = (
@@ -116,6 +115,8 @@ def _kind(name, module, family=""):
             )
         return "attention"
     if type(module).__name__ in SHORT_CONVS:
+        if not is_short_conv(module):
+            raise _refuse(name, module, f"does not call `{CONV}` over its own depthwise `conv`")
         return "short_conv"
     if is_known(module):
         return "recurrent"
@@ -316,13 +317,13 @@ def apply_inputs(model, decoder, hooked, group, validate, layout="contiguous", i
 
 
 def apply_short_conv(convs, group, layout="contiguous"):
-    """Every short convolution gets the hooks that fetch its K-1 preceding tokens. Returns which
-    path they take."""
-    for module in convs:
-        halo = ShortConvHalo(module, group, layout)
-        module.register_forward_pre_hook(halo.before, with_kwargs=True)
-        module.register_forward_hook(halo.after, with_kwargs=True)
-    return {type(module).__name__: "its own forward over a halo of kernel - 1 tokens" for module in convs}
+    """Every short convolution runs its own forward with CP's conv (torch_impl.hf.recurrent's
+    ConvHalo: the conv's inputs over a halo of kernel - 1). Returns which path they take."""
+    return {
+        type(module).__name__: f"{apply_recurrent(module, group, layout)}: its own forward, the conv over a "
+        "halo of kernel - 1 inputs"
+        for module in convs
+    }
 
 
 def apply_linear_attention(modules, group, layout="contiguous"):
@@ -412,7 +413,7 @@ def _one_rank(model, isolates):
     packed documents, which then keep each document's state apart as under CP (documents.
     OneRankDocuments); transformers' torch kernels would carry it across documents."""
     decoder = _decoder(model)
-    linear = [module for module in decoder.modules() if is_known(module)]
+    linear = [module for module in decoder.modules() if is_known(module) or is_short_conv(module)]
     hooked = list(dict.fromkeys([model.base_model, decoder]))
     if not linear or not (isolates_documents(hooked) if isolates is None else isolates):
         return model

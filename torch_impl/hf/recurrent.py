@@ -22,12 +22,13 @@ documents (Packed): each document's state starts from zero and its conv reads no
 """
 
 import dis
-from functools import partial
 import inspect
 import types
 
 import torch
 from torch import nn
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
 
 from torch_impl import _group
 from torch_impl.halo import gather_halo
@@ -49,16 +50,33 @@ LIGHTNING = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
 FUSED = ("mamba2_split_conv1d_scan_combined", "mamba_inner_fn")
 
 
-def kernel_of(module: nn.Module) -> str | None:
-    """The chunked kernel a linear-attention module's forward calls (a KERNELS key), where it also
-    calls CONV with its own `conv1d`; else None. Only the forward's global names count: those are
-    what apply_recurrent replaces (a `self.causal_conv1d_fn` attribute is not)."""
+def _global_loads(module: nn.Module) -> set:
+    """The global names a module's forward loads (its bytecode's LOAD_GLOBAL): what apply_recurrent
+    can replace (a `self.causal_conv1d_fn` attribute is not)."""
     code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
     loads = dis.get_instructions(code) if code is not None else ()
-    names = {i.argval for i in loads if i.opname == "LOAD_GLOBAL"}
+    return {i.argval for i in loads if i.opname == "LOAD_GLOBAL"}
+
+
+def kernel_of(module: nn.Module) -> str | None:
+    """The chunked kernel a linear-attention module's forward calls (a KERNELS key), where it also
+    calls CONV with its own `conv1d`; else None."""
+    names = _global_loads(module)
     kernel = next((name for name in KERNELS if name in names), None)
     conv = isinstance(getattr(module, "conv1d", None), nn.Conv1d) and CONV in names
     return kernel if conv else None
+
+
+def is_short_conv(module: nn.Module) -> bool:
+    """Whether `module` is a gated short convolution (LFM2's `Lfm2ShortConv`): a depthwise causal
+    `conv` whose forward calls CONV and no chunked kernel (ConvHalo alone makes it CP)."""
+    conv, names = getattr(module, "conv", None), _global_loads(module)
+    return (
+        isinstance(conv, nn.Conv1d)
+        and conv.groups == conv.in_channels == conv.out_channels
+        and CONV in names
+        and not any(name in names for name in KERNELS)
+    )
 
 
 def is_lightning(module: nn.Module) -> bool:
@@ -90,7 +108,8 @@ def is_known(module: nn.Module) -> bool:
 
 
 def apply_recurrent(module: nn.Module, group, layout: str) -> str:
-    """Run `module` (is_known(module)) context-parallel; returns the recurrence's name."""
+    """Run `module` (is_known(module) or is_short_conv(module)) context-parallel; returns the
+    recurrence's name."""
     if is_lightning(module):
         module.forward = LightningAttention(module, group, layout)
         return "MiniMax lightning attention"
@@ -104,15 +123,16 @@ def apply_recurrent(module: nn.Module, group, layout: str) -> str:
     # module of that name (where the CP functions are not), an unnamed one from this dict
     scope = {name: value for name, value in forward.__globals__.items() if name != "__name__"}
     scope[CONV] = ConvHalo(scope[CONV], group, layout)
-    cp = {"mamba2_chunk_scan": MambaScan, "mamba_selective_scan": SelectiveScan}.get(kernel, ChunkState)
-    scope[kernel] = cp(scope[kernel], group, layout)
+    if kernel is not None:
+        cp = {"mamba2_chunk_scan": MambaScan, "mamba_selective_scan": SelectiveScan}.get(kernel, ChunkState)
+        scope[kernel] = cp(scope[kernel], group, layout)
     scope.update({name: _unfused for name in FUSED if name in scope})
     own = types.FunctionType(
         forward.__code__, scope, forward.__name__, forward.__defaults__, forward.__closure__
     )
     own.__kwdefaults__ = forward.__kwdefaults__
     module.forward = types.MethodType(own, module)
-    return KERNELS[kernel]
+    return "short convolution" if kernel is None else KERNELS[kernel]
 
 
 def _check_stateless(args, *given):
@@ -154,7 +174,8 @@ class Packed:
                 )
             return None
         documents = getattr(context, "documents", None)
-        self.seen = documents is not None
+        if not torch.compiler.is_compiling():  # compiled, the recomputation is traced with the forward
+            self.seen = documents is not None
         return None if documents is None else document_starts(documents.ids)
 
 
@@ -184,7 +205,7 @@ def by_piece(run, runs, dim):
         parts = [run(b, lo, hi, i == 0) for i, (lo, hi) in enumerate(row)]
         outs.append(torch.cat([out for out, _ in parts], dim=dim))
         finals.append(parts[-1][1])
-    return torch.cat(outs), None if finals[0] is None else torch.cat(finals)
+    return torch.cat(outs), torch.cat(finals)
 
 
 class ConvHalo:
@@ -203,30 +224,33 @@ class ConvHalo:
         n, r, L = _group.world_size(self.group), _group.rank(self.group), x.shape[-1]
         reach = weight.shape[-1] - 1
         halo = gather_halo(x.transpose(1, 2), self.group, reach, layout=self.layout)  # [B, T, C]
-        conv = partial(self.conv, weight=weight, bias=bias, activation=activation, **kwargs)
         windows = ShardPlan.of(self.layout, n, r, L).windows(reach)
         first = self.packed.first_rows()
         if first is None:
-            out = conv(halo.transpose(1, 2))  # [B, C, T]
+            out = self.conv(halo.transpose(1, 2), weight, bias, activation=activation, **kwargs)  # [B, C, T]
             kept = [out[:, :, w.own] for w in windows]  # [B, C, L/k] each
-        else:
-            kept = [conv_by_document(conv, halo.transpose(1, 2)[:, :, w.segment], w, first) for w in windows]
+        else:  # packed documents
+            x = halo.transpose(1, 2)  # [B, C, T]
+            kept = [conv_by_document(x[:, :, w.segment], weight, bias, w, first, activation) for w in windows]
         return kept[0] if len(kept) == 1 else torch.cat(kept, dim=-1)  # [B, C, L]
 
 
-def conv_by_document(conv, x, w, first):
-    """A causal conv over one local chunk's segment x [B, C, T] (zeros, the window w's halo, the
-    chunk) whose outputs read nothing before their document's start: each document's piece of the
-    window convolved alone. The chunk's outputs, [B, C, w.end - w.start]."""
-    split = pieces(first, w.first_key, w.end)
-    own = w.end - w.start
-    if split is None:
-        return conv(x)[:, :, -own:]
-    zeros = x.shape[-1] - (w.end - w.first_key)  # the segment's rows before global row first_key
-    out, _ = by_piece(
-        lambda b, lo, hi, _: (conv(x[b : b + 1, :, zeros + lo : zeros + hi]), None), split[1], -1
-    )
-    return out[:, :, -own:]
+def conv_by_document(x, weight, bias, w, first, activation=None):
+    """A causal depthwise conv (weight [C, K], bias [C] or None, then `activation`, as transformers'
+    `causal_conv1d_fn`) over one local chunk's segment x [B, C, T] (the window w's halo, then the
+    chunk) whose outputs read nothing before their document's start: each tap masked where it
+    would read an earlier document (no host read, no branch: it compiles as one graph). The
+    chunk's outputs, [B, C, w.end - w.start]."""
+    K, T = weight.shape[-1], w.end - w.first_key
+    x = x[..., -T:]  # [B, C, T]: global rows [first_key, end)
+    taps = F.pad(x.to(weight.dtype), (K - 1, 0)).unfold(-1, K, 1)  # [B, C, T, K]: tap j reads t - K + 1 + j
+    rows = torch.arange(w.first_key, w.end, device=x.device)  # [T]
+    read = rows[:, None] - (K - 1) + torch.arange(K, device=x.device)  # [T, K]: the global row each tap reads
+    keep = read[None] >= first[:, w.first_key : w.end, None]  # [B, T, K]: within the output's document
+    out = (taps * keep[:, None] * weight[:, None, :]).sum(dim=-1)  # [B, C, T]
+    out = out if bias is None else out + bias[:, None]
+    out = ACT2FN[activation](out) if activation is not None else out
+    return out[..., -(w.end - w.start) :].to(x.dtype)
 
 
 class ChunkState:
@@ -542,9 +566,9 @@ class ConvModuleHalo:
         first = self.packed.first_rows()
         if first is None:
             kept = [causal[:, :, w.own] for w in windows]  # [B, C, L/k] each
-        else:  # packed documents: each document's piece again, alone
-            alone = lambda x: conv._conv_forward(x, conv.weight, conv.bias)[..., : x.shape[-1]]  # noqa: E731
-            kept = [conv_by_document(alone, args[0][:, :, w.segment], w, first) for w in windows]
+        else:  # packed documents: each tap within its output's document
+            weight = conv.weight[:, 0]  # [C, K]
+            kept = [conv_by_document(args[0][:, :, w.segment], weight, conv.bias, w, first) for w in windows]
         return kept[0] if len(kept) == 1 else torch.cat(kept, dim=-1)  # [B, C, L]
 
 
