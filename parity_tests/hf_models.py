@@ -191,9 +191,6 @@ def _configs(head_dim=8):
             )
         ),
         # refused by parallelize
-        "xlstm": lambda: tf.xLSTMForCausalLM(  # mLSTM: a max-plus stabiliser in the state
-            tf.xLSTMConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=4, chunk_size=16)
-        ),
         "t5": lambda: tf.T5ForConditionalGeneration(
             tf.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=1, num_heads=4)
         ),
@@ -244,7 +241,6 @@ SUPPORTED = (
 )
 INDEXED = ("deepseek_v32", "glm_moe_dsa")  # DeepSeek Sparse Attention
 REFUSED = {  # model -> what the error names
-    "xlstm": "(xLSTMForCausalLM) carries recurrent state",
     "qwen3_5_unknown_recurrence": "model.layers.0.retention (Qwen3_5Retention) carries recurrent state",
     "t5": "encoder.block.0.layer.0.SelfAttention (T5Attention) is bidirectional or cross attention",
     "gemma3_bidirectional": "model.layers.0.self_attn (Gemma3Attention) is bidirectional",

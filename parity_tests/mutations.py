@@ -420,6 +420,20 @@ MUTATIONS += [
             "packed_sequences_equal and (qwen3_5-contiguous or lfm2-contiguous)",
         ),
     ),
+    Mutation(  # xLSTM: each chunk's stabiliser from zero, not one process's (the eps term moves)
+        "mlstm_stabiliser_not_folded",
+        "torch_impl/hf/mlstm.py",
+        "m.append(torch.maximum(m[-1] + every[:, c, :, 0], every[:, c, :, 1]))",
+        "m.append(torch.zeros_like(m[-1]))",
+        ("parity_tests/test_models.py", "-k", "family_equals and xlstm"),
+    ),
+    Mutation(  # xLSTM: the earlier chunks' memory not carried in
+        "mlstm_state_dropped",
+        "torch_impl/hf/mlstm.py",
+        "true = states[:, j, :, 0] * (-m).exp()",
+        "true = 0 * states[:, j, :, 0] * (-m).exp()",
+        ("parity_tests/test_models.py", "-k", "family_equals and xlstm"),
+    ),
     Mutation(  # the layer's transition read transposed
         "recurrent_transition_transposed",
         "torch_impl/hf/recurrent.py",

@@ -39,6 +39,7 @@ QUICK = {  # family: (what it exercises, its verdict)
     "jamba": ("Mamba (a per-channel selective scan), attention and MoE", "exact"),
     "recurrent_gemma": ("RG-LRU (a per-channel gated scan) behind an nn.Conv1d, local attention", "exact"),
     "zamba": ("Mamba scans called once per Mamba head", "exact"),
+    "xlstm": ("xLSTM's mLSTM: a matrix memory with a max-plus stabiliser", "exact"),
 }
 
 
@@ -116,6 +117,7 @@ STATE_SPACE = (
     "zamba",
     "minimax",
     "recurrent_gemma",
+    "xlstm",
 )
 
 

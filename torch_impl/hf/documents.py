@@ -46,7 +46,7 @@ _NOT_ISOLATING = """
     FalconMambaModel GraniteMoeHybridModel Mamba2Model MambaModel MegatronBertModel MptModel
     OPTDecoder RemBertModel RoCBertModel
     RoFormerModel RobertaModel RobertaPreLayerNormModel XGLMModel XLMRobertaModel
-    XLMRobertaXLModel XmodModel
+    XLMRobertaXLModel XmodModel xLSTMModel
 """
 # transformers 5.23.0's model classes that receive a causal LM's inputs -> whether they isolate
 ISOLATES = dict.fromkeys(_ISOLATING.split(), True) | dict.fromkeys(_NOT_ISOLATING.split(), False)

@@ -22,6 +22,7 @@ from torch_impl.hf.documents import OneRankDocuments, isolates_documents
 from torch_impl.hf.heads import apply_head, check_head
 from torch_impl.hf.indexed import AbsorbedMLA, BlockedIndexer
 from torch_impl.hf.inputs import MaskCountPositions, ModelInputs, PaddingIndexPositions, Positions
+from torch_impl.hf.mlstm import check_mlstm, is_mlstm
 from torch_impl.hf.recurrent import CONV, KERNELS, apply_recurrent, is_known, is_lightning, is_short_conv
 from torch_impl.layout import check as check_layout
 
@@ -118,6 +119,8 @@ def _kind(name, module, family=""):
         if not is_short_conv(module):
             raise _refuse(name, module, f"does not call `{CONV}` over its own depthwise `conv`")
         return "short_conv"
+    if is_mlstm(module) and check_mlstm(module):
+        raise _refuse(name, module, check_mlstm(module))
     if is_known(module):
         return "recurrent"
     name_ = type(module).__name__
@@ -333,12 +336,15 @@ def apply_linear_attention(modules, group, layout="contiguous"):
     paths = {}
     for module in modules:
         name = apply_recurrent(module, group, layout)
-        paths[type(module).__name__] = f"{name}: " + (
-            "its block loop from zero per chunk, corrected by the earlier chunks' state (gather_state)"
-            if is_lightning(module)
-            else "its own forward, the conv over a halo of kernel - 1 inputs, the chunked kernel from the "
-            "earlier chunks' state (gather_state)"
-        )
+        if is_lightning(module):
+            path = "its block loop from zero per chunk, corrected by the earlier chunks' state (gather_state)"
+        elif is_mlstm(module):
+            path = "its own forward per chunk from zero (its map), then from the earlier chunks' state "
+            path += "(gather_state) and stabiliser (max-plus fold)"
+        else:
+            path = "its own forward, the conv over a halo of kernel - 1 inputs, the chunked kernel from the "
+            path += "earlier chunks' state (gather_state)"
+        paths[type(module).__name__] = f"{name}: {path}"
     return paths
 
 

@@ -33,6 +33,7 @@ from transformers.activations import ACT2FN
 from torch_impl import _group
 from torch_impl.halo import gather_halo
 from torch_impl.hf._common import RUNNING, stepping_aside
+from torch_impl.hf.mlstm import MLSTMState, is_mlstm
 from torch_impl.layout import ShardPlan, document_starts
 from torch_impl.state import gather_state
 
@@ -103,8 +104,8 @@ def is_griffin(module: nn.Module) -> bool:
 
 
 def is_known(module: nn.Module) -> bool:
-    """Whether `module` is a linear-attention module made CP here."""
-    return kernel_of(module) is not None or is_lightning(module) or is_griffin(module)
+    """Whether `module` is a linear-attention module made CP here (or xLSTM's mLSTM, torch_impl.hf.mlstm)."""
+    return kernel_of(module) is not None or is_lightning(module) or is_griffin(module) or is_mlstm(module)
 
 
 def apply_recurrent(module: nn.Module, group, layout: str) -> str:
@@ -113,6 +114,9 @@ def apply_recurrent(module: nn.Module, group, layout: str) -> str:
     if is_lightning(module):
         module.forward = LightningAttention(module, group, layout)
         return "MiniMax lightning attention"
+    if is_mlstm(module):
+        module.forward = MLSTMState(module, group, layout)
+        return "xLSTM's mLSTM"
     if is_griffin(module):
         ConvModuleHalo(module.conv_1d, group, layout)
         module.rg_lru._rnn_scan = DiagonalScan(module.rg_lru._rnn_scan, group, layout)
