@@ -1,8 +1,13 @@
 """Cases for test_recurrent, run on every rank of a worker pool's group: a linear-attention kernel
 (transformers' own) made CP by torch_impl.hf.recurrent.ChunkState, on this rank's shard."""
 
+from contextlib import contextmanager
+
+import torch
+
+from torch_impl.hf._common import RUNNING, Context
 from torch_impl.hf.recurrent import ChunkState
-from torch_impl.layout import ShardPlan
+from torch_impl.layout import Documents, ShardPlan
 
 NAMES = ("query", "key", "value", "g", "beta")
 
@@ -18,21 +23,53 @@ def kernel(name):
     return chunk_kimi_delta_attention
 
 
-def one_process(name, inputs, cotangent, l2norm):
-    """The kernel over the whole sequence: its output [B, S, H, dv] and each input's gradient."""
+@contextmanager
+def packed(group, layout, L, documents):
+    """The forward's context as torch_impl.hf's pre-hook makes it for packed rows, whose document
+    ids by global row are `documents` [B, S] (None: no context, unpacked rows)."""
+    outer = RUNNING.context
+    if documents is not None:
+        shard = ShardPlan.of(layout, group.size(), group.rank(), L)
+        RUNNING.context = Context(0, group, shard, Documents(documents, None), None, None, None)
+    try:
+        yield
+    finally:
+        RUNNING.context = outer
+
+
+def each_document(run, leaves, documents, dim=1):
+    """`run(slices)` on each document of each row alone ({key: [1, ..., T, ...]} along `dim`), the
+    outputs put back in the rows' places: what packed rows must give."""
+    rows = []
+    for b, ids in enumerate(documents.tolist()):
+        starts = [0] + [t for t in range(1, len(ids)) if ids[t] != ids[t - 1]] + [len(ids)]
+        pieces = []
+        for lo, hi in zip(starts[:-1], starts[1:], strict=True):
+            at = (b, slice(None)) if dim == 2 else (b,)
+            pieces.append(run({key: x[at][None].narrow(dim, lo, hi - lo) for key, x in leaves.items()}))
+        rows.append(torch.cat(pieces, dim=dim))
+    return torch.cat(rows)
+
+
+def one_process(name, inputs, cotangent, l2norm, documents=None):
+    """The kernel over the whole sequence (documents [B, S]: each document alone): its output
+    [B, S, H, dv] and each input's gradient."""
     leaves = {key: inputs[key].clone().requires_grad_(True) for key in NAMES}
-    out, _ = kernel(name)(*leaves.values(), use_qk_l2norm_in_kernel=l2norm)
+    run = lambda x: kernel(name)(*x.values(), use_qk_l2norm_in_kernel=l2norm)[0]  # noqa: E731
+    out = run(leaves) if documents is None else each_document(run, leaves, documents)
     out.backward(cotangent)
     return out.detach(), {key: leaf.grad for key, leaf in leaves.items()}
 
 
-def chunk_state(group, name, inputs, cotangent, layout, l2norm):
-    """The kernel made CP on this rank's rows of the global inputs ([B, S, ...] each): its output
-    [B, L, H, dv] and the gradients of this rank's inputs."""
-    n, r = group.size(), group.rank()
-    rows = ShardPlan.of(layout, n, r, inputs["query"].shape[1] // n).rows()  # [L]
+def chunk_state(group, name, inputs, cotangent, layout, l2norm, documents=None):
+    """The kernel made CP on this rank's rows of the global inputs ([B, S, ...] each), in packed
+    rows' context where documents are given: its output [B, L, H, dv] and the gradients of this
+    rank's inputs."""
+    n, r, L = group.size(), group.rank(), inputs["query"].shape[1] // group.size()
+    rows = ShardPlan.of(layout, n, r, L).rows()  # [L]
     leaves = {key: inputs[key][:, rows].clone().requires_grad_(True) for key in NAMES}
-    out, final = ChunkState(kernel(name), group, layout)(*leaves.values(), use_qk_l2norm_in_kernel=l2norm)
+    with packed(group, layout, L, documents):
+        out, final = ChunkState(kernel(name), group, layout)(*leaves.values(), use_qk_l2norm_in_kernel=l2norm)
     assert final is None
     out.backward(cotangent[:, rows])
     return out.detach(), {key: leaf.grad for key, leaf in leaves.items()}
@@ -68,27 +105,34 @@ def _mamba_args(leaves, A, D):
 MAMBA_CHUNK = 16  # the scan's chunk: L = 48 or 80 tokens a rank straddle one process's chunks
 
 
-def mamba_one_process(inputs, cotangent):
-    """Mamba2's scan over the whole sequence: its output [B, S, H, P], the gradients of the token
-    inputs and of A and D."""
+def mamba_one_process(inputs, cotangent, documents=None):
+    """Mamba2's scan over the whole sequence (documents [B, S]: each document alone): its output
+    [B, S, H, P], the gradients of the token inputs and of A and D."""
     leaves = {key: inputs[key].clone().requires_grad_(True) for key in (*MAMBA_NAMES, "A", "D")}
-    args, kwargs = _mamba_args(leaves, leaves["A"], leaves["D"])
-    out = mamba_scan()(*args, **kwargs)
+
+    def run(tokens):
+        args, kwargs = _mamba_args(tokens, leaves["A"], leaves["D"])
+        return mamba_scan()(*args, **kwargs)
+
+    tokens = {key: leaves[key] for key in MAMBA_NAMES}
+    out = run(tokens) if documents is None else each_document(run, tokens, documents)
     out.backward(cotangent)
     return out.detach(), {key: leaf.grad for key, leaf in leaves.items()}
 
 
-def mamba_state(group, inputs, cotangent, layout):
-    """The scan made CP (torch_impl.hf.recurrent.MambaScan) on this rank's rows: its output
-    [B, L, H, P] and the gradients of this rank's token inputs and its partial ones of A and D."""
+def mamba_state(group, inputs, cotangent, layout, documents=None):
+    """The scan made CP (torch_impl.hf.recurrent.MambaScan) on this rank's rows (in packed rows'
+    context where documents are given): its output [B, L, H, P] and the gradients of this rank's
+    token inputs and its partial ones of A and D."""
     from torch_impl.hf.recurrent import MambaScan
 
-    n, r = group.size(), group.rank()
-    rows = ShardPlan.of(layout, n, r, inputs["dt"].shape[1] // n).rows()  # [L]
+    n, r, L = group.size(), group.rank(), inputs["dt"].shape[1] // group.size()
+    rows = ShardPlan.of(layout, n, r, L).rows()  # [L]
     leaves = {key: inputs[key][:, rows].clone().requires_grad_(True) for key in MAMBA_NAMES}
     leaves |= {key: inputs[key].clone().requires_grad_(True) for key in ("A", "D")}
     args, kwargs = _mamba_args(leaves, leaves["A"], leaves["D"])
-    out = MambaScan(mamba_scan(), group, layout)(*args, **kwargs)
+    with packed(group, layout, L, documents):
+        out = MambaScan(mamba_scan(), group, layout)(*args, **kwargs)
     out.backward(cotangent[:, rows])
     return out.detach(), {key: leaf.grad for key, leaf in leaves.items()}
 

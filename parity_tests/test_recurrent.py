@@ -293,6 +293,53 @@ def test_selective_scan_random_states_equal_one_process(pool, layout):
 
 # --- packed documents: the pieces a chunk's recurrence runs from zero -------------------------
 
+# per row, document lengths over S = 320: starts at 100, 160 (a shard edge for n = 2 and 4, a chunk
+# edge under head_tail), 161 (a one-token document), and 30 (a document over every later shard)
+PACKED = ((100, 60, 1, 159), (30, 290))
+
+
+def document_ids():
+    """int64 [B, S]: each token's document, runs of equal ids (as transformers numbers them)."""
+    return torch.stack([torch.cat([torch.full((n,), i) for i, n in enumerate(row)]) for row in PACKED])
+
+
+def check_packed(ref, plain, results, keys, n, layout):
+    """Each rank's outputs and gradients equal each document alone's (ref) to the bit; the same
+    rows unpacked (plain) differ by 1 or more: the documents matter."""
+    (ref_out, ref_grads), plain_out = ref, plain[0]
+    assert (plain_out - ref_out).abs().max() >= 1
+    for r, (out, grads) in enumerate(results):
+        rows = expected.local_tokens(n, ref_out.shape[1] // n, r, layout)
+        assert torch.equal(out, ref_out[:, rows])
+        for key in keys:
+            assert torch.equal(grads[key], ref_grads[key][:, rows]), key
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("n", [2, 4])
+def test_packed_documents_equal_each_document_alone_to_the_bit(pool, n, layout):
+    """Gated DeltaNet's kernel (ChunkState) on packed rows, given the forward's documents as
+    torch_impl.hf's pre-hook gives them: each document's state from zero, equal to the kernel on
+    each document alone, outputs and every gradient, to the bit (the exact data above)."""
+    data, ids, cases = inputs("exact", S=320), document_ids(), recurrent_cases
+    cotangent = torch.randint(-2, 3, data["value"].shape, generator=torch.Generator().manual_seed(3)).float()
+    ref = cases.one_process("gdn", data, cotangent, False, ids)
+    results = pool.run(("first", n), cases.chunk_state, "gdn", data, cotangent, layout, False, ids)[0]
+    check_packed(ref, cases.one_process("gdn", data, cotangent, False), results, cases.NAMES, n, layout)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("n", [2, 4])
+def test_mamba2_packed_documents_equal_each_document_alone_to_the_bit(pool, n, layout):
+    """The same for Mamba2's scan (MambaScan; no decay, so a state not reset carries every
+    earlier document's sum)."""
+    data, ids, cases = mamba_inputs("exact", S=320), document_ids(), recurrent_cases
+    shape = data["hidden_states"].shape
+    cotangent = torch.randint(-2, 3, shape, generator=torch.Generator().manual_seed(3)).float()
+    ref = cases.mamba_one_process(data, cotangent, ids)
+    results = pool.run(("first", n), cases.mamba_state, data, cotangent, layout, ids)[0]
+    check_packed(ref, cases.mamba_one_process(data, cotangent), results, cases.MAMBA_NAMES, n, layout)
+
 
 def test_a_chunk_is_cut_where_its_documents_begin():
     """Documents [0, 5), [5, 12), [12, 20) in one row, [0, 20) in another: the chunk [8, 16)
