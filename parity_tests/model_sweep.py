@@ -146,9 +146,11 @@ def matrix(rows):
         "Every causal-LM class of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, built tiny from its config (random "
         "weights, float64, every layer type its config has, windows and chunks of 8 tokens), on 2 gloo "
         "ranks against one process: padded rows (right and left) under both layouts, and packed rows "
-        "(position_ids restarting). **exact**: logits, the summed loss and every gradient equal one "
-        "process to float64 rounding (parity_tests/zoo_cases.py); **refused**: `hf.parallelize` or the "
-        "first call raises `ValueError` with the reason below; **skipped**: the family could not be run "
+        "(position_ids restarting; where the model isolates packed documents and has recurrent layers "
+        "or short convs, which CP keeps apart per document, against each document run alone). "
+        "**exact**: logits, the summed loss and every gradient equal one process to float64 rounding "
+        "(parity_tests/zoo_cases.py); **refused**: `hf.parallelize` or the first call raises "
+        "`ValueError` with the reason below; **skipped**: the family could not be run "
         "here at all. A run without `parallelize` comes out wrong for every family that mixes tokens.",
         "",
         *_section(rows, "##"),
