@@ -430,8 +430,8 @@ MUTATIONS += [
     Mutation(  # xLSTM: the earlier chunks' memory not carried in
         "mlstm_state_dropped",
         "torch_impl/hf/mlstm.py",
-        "true = states[:, j, :, 0] * (-m).exp()",
-        "true = 0 * states[:, j, :, 0] * (-m).exp()",
+        "true = (states[:, j, :, 0] * (-m).exp()).to(kept[0])",
+        "true = (0 * states[:, j, :, 0] * (-m).exp()).to(kept[0])",
         ("parity_tests/test_models.py", "-k", "family_equals and xlstm"),
     ),
     Mutation(  # the layer's transition read transposed

@@ -255,8 +255,21 @@ def test_one_rank_keeps_packed_documents_apart_in_recurrent_layers(name):
     for key, p in model.named_parameters():
         if grads[key] is not None:
             bounds.check((p.grad - grads[key]).abs().max(), bound, f"grad of {key}")
-    model.eval()
     padded = hf_models.make_batch()
+    # padded rows under transformers' own checkpointing (no hf.checkpoint_kwargs()): recomputed as
+    # the forward ran, the model's own kernels, with the untouched model's gradients
+    model.zero_grad()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    plain.train()
+    plain.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    fresh = hf.parallelize(copy.deepcopy(plain), None, verbose=False)  # no packed forward before
+    fresh.zero_grad()
+    for each in (fresh, plain):
+        each(**padded).loss.backward()
+    for (key, p), q in zip(fresh.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), key
+    model.eval()
+    plain.eval()
     with torch.no_grad():
         assert torch.equal(model(**padded).logits, plain(**padded).logits)
         prompt = padded["input_ids"][:1, :8]

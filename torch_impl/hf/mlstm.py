@@ -27,7 +27,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from torch_impl import _group
-from torch_impl.hf._common import stepping_aside
+from torch_impl.hf._common import RUNNING, stepping_aside
 from torch_impl.layout import ShardPlan
 from torch_impl.sequence import gather_sequence
 from torch_impl.state import gather_state
@@ -75,7 +75,9 @@ class MLSTMState:
     def __call__(
         self, query, key, value, igate, fgate, c_initial=None, n_initial=None, m_initial=None, **kwargs
     ):
-        if stepping_aside():  # an unsharded call: the module's own forward
+        context = RUNNING.context
+        # an unsharded call (or without CP, one recomputed outside the forward): the module's own
+        if stepping_aside() or (self.group is None and context is None):
             forward = type(self.backend).forward
             return forward(
                 self.backend, query, key, value, igate, fgate, c_initial, n_initial, m_initial, **kwargs
@@ -85,20 +87,33 @@ class MLSTMState:
                 "torch_impl.hf: an mLSTM layer was called with a recurrent state: generation with a cache "
                 "is not supported under CP"
             )
+        if getattr(context, "documents", None) is not None:
+            raise ValueError(
+                "torch_impl.hf: an mLSTM layer was given packed documents (isolate_documents=True): it "
+                "does not keep them apart; pass unpacked rows"
+            )
         # query, key: [B, NH, L, dk]; value: [B, NH, L, dv]; igate, fgate: [B, NH, L]
         n, r, L = _group.world_size(self.group), _group.rank(self.group), query.shape[2]
         dk, dv = query.shape[-1], value.shape[-1]
         windows = ShardPlan.of(self.layout, n, r, L).windows(0)
+        config, C = self.backend.config, windows[0].end - windows[0].start
+        if "train" in config.mode and C % config.chunk_size:
+            raise ValueError(
+                f"torch_impl.hf: an mLSTM in mode {config.mode!r} runs its chunkwise kernel over each local "
+                f"chunk, whose length ({C} tokens) must be a multiple of its chunk_size ({config.chunk_size})"
+            )
         decays, maps, maxima = [], [], []
+        fold = torch.promote_types(fgate.dtype, torch.float32)  # gates and states folded in at least float32
         for w in windows:
             rows = (slice(None), slice(None), w.queries)
             _, (c, nb, m) = self.own(query[rows], key[rows], value[rows], igate[rows], fgate[rows])
-            scale = m.exp()  # [B, NH, 1]: the kernel's states are the true ones over exp(m)
-            true = torch.cat([(c * scale[..., None]).flatten(-2), nb * scale], dim=-1)  # [B, NH, dk (dv + 1)]
-            maps.append(true.to(fgate.dtype)[:, :, None])
-            log_f = F.logsigmoid(fgate[rows]).cumsum(dim=-1)  # [B, NH, C]: to each token, inclusive
+            kept = c.dtype, m.dtype  # the dtypes the kernel keeps its states in
+            scale = m.to(fold).exp()  # [B, NH, 1]: the kernel's states are the true ones over exp(m)
+            true = torch.cat([(c.to(fold) * scale[..., None]).flatten(-2), nb.to(fold) * scale], dim=-1)
+            maps.append(true[:, :, None])  # [B, NH, 1, dk (dv + 1)]
+            log_f = F.logsigmoid(fgate[rows].to(fold)).cumsum(dim=-1)  # [B, NH, C]: to each token, inclusive
             decays.append(log_f[..., -1:, None].exp())  # [B, NH, 1, 1]: F
-            top = (igate[rows] - log_f).amax(dim=-1) + log_f[..., -1]  # [B, NH]: M
+            top = (igate[rows].to(fold) - log_f).amax(dim=-1) + log_f[..., -1]  # [B, NH]: M
             maxima.append(torch.stack([log_f[..., -1], top], dim=-1))  # [B, NH, 2]
         # [B, k, NH, 1, dk (dv + 1)]: the true state each local chunk starts from
         states = gather_state(torch.stack(decays, 1), torch.stack(maps, 1), self.group, layout=self.layout)
@@ -107,8 +122,8 @@ class MLSTMState:
         for j, w in enumerate(windows):
             rows = (slice(None), slice(None), w.queries)
             m = stabilisers[:, j, :, None]  # [B, NH, 1]
-            true = states[:, j, :, 0] * (-m).exp()  # [B, NH, dk (dv + 1)], scaled as the kernel keeps it
-            start = (true[..., : dk * dv].unflatten(-1, (dk, dv)), true[..., dk * dv :], m)
+            true = (states[:, j, :, 0] * (-m).exp()).to(kept[0])  # [B, NH, dk (dv + 1)], scaled as kept
+            start = (true[..., : dk * dv].unflatten(-1, (dk, dv)), true[..., dk * dv :], m.to(kept[1]))
             h, _ = self.own(query[rows], key[rows], value[rows], igate[rows], fgate[rows], start)
             out.append(h)  # [B, NH, C, dv]
         return (out[0] if len(out) == 1 else torch.cat(out, dim=2)), None

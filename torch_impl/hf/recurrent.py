@@ -38,12 +38,7 @@ from torch_impl.layout import ShardPlan, document_starts
 from torch_impl.state import gather_state
 
 CONV = "causal_conv1d_fn"  # (x [B, C, L], weight [C, K], bias, activation) -> [B, C, L]
-KERNELS = {  # chunked kernel -> the recurrence it computes
-    "torch_chunk_gated_delta_rule": "Gated DeltaNet",
-    "chunk_kimi_delta_attention": "Kimi Delta Attention",
-    "mamba2_chunk_scan": "Mamba2 (SSD)",
-    "mamba_selective_scan": "Mamba (selective scan)",
-}
+# KERNELS (at the end, after the CP versions): chunked kernel -> (the recurrence, its CP version)
 # MiniMax's lightning attention: per head its decay rate and the decays within a block
 LIGHTNING = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
 # fused kernels a forward tries first (mamba_ssm's conv + scan + norm + projection): under CP they
@@ -118,25 +113,24 @@ def apply_recurrent(module: nn.Module, group, layout: str) -> str:
         module.forward = MLSTMState(module, group, layout)
         return "xLSTM's mLSTM"
     if is_griffin(module):
-        ConvModuleHalo(module.conv_1d, group, layout)
-        module.rg_lru._rnn_scan = DiagonalScan(module.rg_lru._rnn_scan, group, layout)
+        halo = ConvModuleHalo(module.conv_1d, group, layout)
+        module.rg_lru._rnn_scan = DiagonalScan(module.rg_lru._rnn_scan, group, layout, halo.packed)
         return "RecurrentGemma's RG-LRU"
     kernel = kernel_of(module)
     forward = inspect.unwrap(type(module).forward)
     # the module's globals but its __name__: torch.compile reads a named scope's globals from the
     # module of that name (where the CP functions are not), an unnamed one from this dict
     scope = {name: value for name, value in forward.__globals__.items() if name != "__name__"}
-    scope[CONV] = ConvHalo(scope[CONV], group, layout)
+    scope[CONV] = conv = ConvHalo(scope[CONV], group, layout)
     if kernel is not None:
-        cp = {"mamba2_chunk_scan": MambaScan, "mamba_selective_scan": SelectiveScan}.get(kernel, ChunkState)
-        scope[kernel] = cp(scope[kernel], group, layout)
-    scope.update({name: _unfused for name in FUSED if name in scope})
+        scope[kernel] = KERNELS[kernel][1](scope[kernel], group, layout)
+    scope.update({name: Unfused(scope[name], conv.packed) for name in FUSED if scope.get(name) is not None})
     own = types.FunctionType(
         forward.__code__, scope, forward.__name__, forward.__defaults__, forward.__closure__
     )
     own.__kwdefaults__ = forward.__kwdefaults__
     module.forward = types.MethodType(own, module)
-    return "short convolution" if kernel is None else KERNELS[kernel]
+    return "short convolution" if kernel is None else KERNELS[kernel][0]
 
 
 def _check_stateless(args, *given):
@@ -150,9 +144,16 @@ def _check_stateless(args, *given):
         )
 
 
-def _unfused(*args, **kwargs):
-    """A fused kernel's result when it is not available: None, the forward's cue for its own path."""
-    return None
+class Unfused:
+    """A fused kernel (mamba_ssm's conv + scan + norm + projection) in a CP forward: None, the
+    forward's cue for its own unfused path (the fused one would scan the shard alone); in an
+    unsharded call the kernel itself."""
+
+    def __init__(self, kernel, packed):
+        self.kernel, self.packed = kernel, packed
+
+    def __call__(self, *args, **kwargs):
+        return self.kernel(*args, **kwargs) if self.packed.aside() else None
 
 
 class Packed:
@@ -163,8 +164,17 @@ class Packed:
     Context again through hf.checkpoint_kwargs()'s context_fn; recomputed without it, a layer that
     saw documents in its forward raises rather than mix them."""
 
-    def __init__(self):
-        self.seen = False  # whether this layer's latest sharded forward had packed documents
+    def __init__(self, group):
+        self.group = group
+        self.seen = False  # whether this layer has run a forward with packed documents
+
+    def aside(self):
+        """Whether the call runs as the model does (its own kernels): an unsharded (Aside) forward,
+        or without CP one recomputed outside any forward's context (a one-rank model's forwards
+        without packed documents are Aside ones)."""
+        if stepping_aside():
+            return True
+        return self.group is None and RUNNING.context is None and not self.seen
 
     def first_rows(self):
         """int64 [B, S] by global row: the first row of each token's document (None: no documents)."""
@@ -172,14 +182,16 @@ class Packed:
         if context is None:
             if self.seen:
                 raise ValueError(
-                    "torch_impl.hf: a recurrent layer given packed documents was recomputed under "
-                    "activation checkpointing without hf.checkpoint_kwargs() (its context_fn carries the "
-                    "documents into the recomputation); enable checkpointing with those kwargs"
+                    "torch_impl.hf: a recurrent layer that has been given packed documents was recomputed "
+                    "under activation checkpointing without hf.checkpoint_kwargs() (its context_fn carries "
+                    "the documents into the recomputation); enable checkpointing with those kwargs"
                 )
             return None
         documents = getattr(context, "documents", None)
-        if not torch.compiler.is_compiling():  # compiled, the recomputation is traced with the forward
-            self.seen = documents is not None
+        if (
+            documents is not None and not torch.compiler.is_compiling()
+        ):  # compiled, the recomputation is traced
+            self.seen = True
         return None if documents is None else document_starts(documents.ids)
 
 
@@ -191,7 +203,7 @@ def pieces(first, start, stop):
     if first is None:
         return None
     first = first[:, start:stop]  # [B, T]
-    carried = first < start
+    carried = first < max(start, 1)  # the sequence's first chunk: its first document takes the zero state
     begins = first == torch.arange(start, stop, device=first.device)  # [B, T]
     begins[:, 0] = True
     if carried.all():
@@ -218,11 +230,11 @@ class ConvHalo:
     projections, as in one process), so no mask travels."""
 
     def __init__(self, conv, group, layout):
-        self.conv, self.group, self.layout, self.packed = conv, group, layout, Packed()
+        self.conv, self.group, self.layout, self.packed = conv, group, layout, Packed(group)
 
     def __call__(self, x, weight, bias=None, activation=None, seq_idx=None, **kwargs):
         # x: [B, C, L]; weight: [C, K]
-        if stepping_aside():  # an unsharded call: the model's own conv
+        if self.packed.aside():  # an unsharded call: the model's own conv
             return self.conv(x, weight, bias, activation=activation, seq_idx=seq_idx, **kwargs)
         _check_stateless((), seq_idx)
         n, r, L = _group.world_size(self.group), _group.rank(self.group), x.shape[-1]
@@ -247,12 +259,13 @@ def conv_by_document(x, weight, bias, w, first, activation=None):
     chunk's outputs, [B, C, w.end - w.start]."""
     K, T = weight.shape[-1], w.end - w.first_key
     x = x[..., -T:]  # [B, C, T]: global rows [first_key, end)
-    taps = F.pad(x.to(weight.dtype), (K - 1, 0)).unfold(-1, K, 1)  # [B, C, T, K]: tap j reads t - K + 1 + j
+    dtype = torch.promote_types(weight.dtype, torch.float32)  # summed as F.conv1d accumulates
+    taps = F.pad(x.to(dtype), (K - 1, 0)).unfold(-1, K, 1)  # [B, C, T, K]: tap j reads t - K + 1 + j
     rows = torch.arange(w.first_key, w.end, device=x.device)  # [T]
     read = rows[:, None] - (K - 1) + torch.arange(K, device=x.device)  # [T, K]: the global row each tap reads
     keep = read[None] >= first[:, w.first_key : w.end, None]  # [B, T, K]: within the output's document
-    out = (taps * keep[:, None] * weight[:, None, :]).sum(dim=-1)  # [B, C, T]
-    out = out if bias is None else out + bias[:, None]
+    out = (taps * keep[:, None] * weight.to(dtype)[:, None, :]).sum(dim=-1)  # [B, C, T]
+    out = (out if bias is None else out + bias.to(dtype)[:, None]).to(weight.dtype)
     out = ACT2FN[activation](out) if activation is not None else out
     return out[..., -(w.end - w.start) :].to(x.dtype)
 
@@ -261,12 +274,12 @@ class ChunkState:
     """The model's chunked kernel over each local chunk from the state the earlier chunks leave."""
 
     def __init__(self, kernel, group, layout):
-        self.kernel, self.group, self.layout, self.packed = kernel, group, layout, Packed()
+        self.kernel, self.group, self.layout, self.packed = kernel, group, layout, Packed(group)
 
     def __call__(
         self, query, key, value, g, beta, *args, initial_state=None, output_final_state=False, **kwargs
     ):
-        if stepping_aside():  # an unsharded call: the model's own kernel
+        if self.packed.aside():  # an unsharded call: the model's own kernel
             return self.kernel(
                 query, key, value, g, beta, *args, initial_state=initial_state,
                 output_final_state=output_final_state, **kwargs
@@ -333,7 +346,7 @@ class MambaScan:
     second pass over the shard. gather_state folds (a, B) with S as [1, P * N]."""
 
     def __init__(self, scan, group, layout):
-        self.scan, self.group, self.layout, self.packed = scan, group, layout, Packed()
+        self.scan, self.group, self.layout, self.packed = scan, group, layout, Packed(group)
 
     def __call__(
         self,
@@ -351,7 +364,7 @@ class MambaScan:
         **kwargs,
     ):
         # hidden_states: [B, L, H, P]; dt: [B, L, H]; A: [H]; B, C: [B, L, G, N]
-        if stepping_aside():  # an unsharded call: the model's own scan
+        if self.packed.aside():  # an unsharded call: the model's own scan
             return self.scan(
                 hidden_states, dt, A, B, C, chunk_size, *args, initial_states=initial_states,
                 dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, **kwargs
@@ -406,14 +419,14 @@ class SelectiveScan:
     (a, B) with each of the D * N state entries its own 1 x 1 map."""
 
     def __init__(self, scan, group, layout):
-        self.scan, self.group, self.layout, self.packed = scan, group, layout, Packed()
+        self.scan, self.group, self.layout, self.packed = scan, group, layout, Packed(group)
 
     def __call__(
         self, u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
         return_last_state=False, **kwargs,
     ):  # fmt: skip
         # u, dt, z: [batch, D, L]; A: [D, N]; B, C: [batch, N, L]; D, delta_bias: [D]
-        if stepping_aside():  # an unsharded call: the model's own scan
+        if self.packed.aside():  # an unsharded call: the model's own scan
             return self.scan(
                 u, dt, A, B, C, D, z, delta_bias, delta_softplus, return_last_state, **kwargs
             )  # fmt: skip
@@ -468,11 +481,11 @@ class LightningAttention:
     float32). An unsharded call runs the module's own forward."""
 
     def __init__(self, module, group, layout):
-        self.module, self.group, self.layout, self.packed = module, group, layout, Packed()
+        self.module, self.group, self.layout, self.packed = module, group, layout, Packed(group)
 
     def __call__(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
         m = self.module
-        if stepping_aside():  # an unsharded call: the module's own forward
+        if self.packed.aside():  # an unsharded call: the module's own forward
             forward = type(m).forward
             return forward(m, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
         _check_stateless((), past_key_values)
@@ -547,13 +560,13 @@ class ConvModuleHalo:
     the sending rank computed them, as in ConvHalo."""
 
     def __init__(self, conv, group, layout):
-        self.group, self.layout, self.lengths, self.packed = group, layout, [], Packed()
+        self.group, self.layout, self.lengths, self.packed = group, layout, [], Packed(group)
         conv.register_forward_pre_hook(self.before)
         conv.register_forward_hook(self.after, always_call=True)
 
     def before(self, conv, args):
         (x,) = args  # [B, C, L]
-        if stepping_aside():  # an unsharded call: the module as it is
+        if self.packed.aside():  # an unsharded call: the module as it is
             self.lengths.append(None)
             return None
         self.lengths.append(x.shape[-1])
@@ -584,12 +597,12 @@ class DiagonalScan:
     gather_state folds each channel's (a, B) as a 1 x 1 map. The products are taken in the scan's
     accumulation dtype."""
 
-    def __init__(self, scan, group, layout):
-        self.scan, self.group, self.layout = scan, group, layout
+    def __init__(self, scan, group, layout, packed):
+        self.scan, self.group, self.layout, self.packed = scan, group, layout, packed  # the conv's Packed
 
     def __call__(self, hidden_states, recurrent_gate, reset, recurrent_states, acc_dtype=torch.float32):
         # hidden_states, recurrent_gate: [B, L, W]; reset: bool [B, L, 1]
-        if stepping_aside():  # an unsharded call: the module's own scan
+        if self.packed.aside():  # an unsharded call: the module's own scan
             return self.scan(hidden_states, recurrent_gate, reset, recurrent_states, acc_dtype)
         _check_stateless((), recurrent_states)
         n, r, (batch, L, W) = _group.world_size(self.group), _group.rank(self.group), hidden_states.shape
@@ -609,3 +622,11 @@ class DiagonalScan:
         out = [(h0 + carried * states[:, i, None, :]).to(h0.dtype) for i, (h0, carried) in enumerate(outs)]
         out = out[0] if len(out) == 1 else torch.cat(out, dim=1)  # [B, L, W]
         return out, None
+
+
+KERNELS = {  # chunked kernel -> (the recurrence it computes, its CP version)
+    "torch_chunk_gated_delta_rule": ("Gated DeltaNet", ChunkState),
+    "chunk_kimi_delta_attention": ("Kimi Delta Attention", ChunkState),
+    "mamba2_chunk_scan": ("Mamba2 (SSD)", MambaScan),
+    "mamba_selective_scan": ("Mamba (selective scan)", SelectiveScan),
+}
