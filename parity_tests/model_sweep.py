@@ -159,7 +159,8 @@ def matrix(rows):
         "Every class of `MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`, built tiny the same way, on the same "
         "text batches, and on padded rows carrying the token types a processor returns for text (all 0: "
         "`token_type_ids` or `mm_token_type_ids`, where the forward takes one), which `hf.shard_batch` "
-        "accepts. A batch with images is refused: images are not split across CP ranks yet.",
+        "accepts. Batches with images and videos are tested per family in `parity_tests/test_hf_media.py` "
+        "(docs/hf.md, Images and videos).",
         "",
         *_section(image_text, "###"),
     ]

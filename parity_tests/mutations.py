@@ -469,6 +469,24 @@ MUTATIONS += [
         "outs.append((y0, decay.roll(1, dims=2), C[..., rows]))",
         ("parity_tests/test_recurrent.py", "-k", "selective_scan_random and contiguous"),
     ),
+    Mutation(  # mRoPE positions computed from each rank's own shard, not over the whole rows
+        "mrope_positions_per_shard",
+        "torch_impl/hf/media.py",
+        "_positions(module, argument, ids, types, padding)  # [3, B, S]\n"
+        "    if positions is not None:  # the model's mRoPE over the whole rows: this rank's\n"
+        '        changes["position_ids"] = positions[..., rows]  # [3, B, L]',
+        "_positions(module, argument, ids[:, rows], types[:, rows], None)\n"
+        "    if positions is not None:\n"
+        '        changes["position_ids"] = positions',
+        ("parity_tests/test_hf_media.py", "-k", "qwen2_vl-2-contiguous-False"),
+    ),
+    Mutation(  # the ranks' image features put together in the wrong order: another rank's images
+        "image_features_to_the_wrong_rank",
+        "torch_impl/hf/media.py",
+        "for i in range(n)])  # [tokens, W]",
+        "for i in reversed(range(n))])  # [tokens, W]",
+        ("parity_tests/test_hf_media.py", "-k", "llava-2-contiguous"),
+    ),
 ]
 
 

@@ -83,13 +83,6 @@ def test_the_support_matrix_is_current():
     assert "| wrong |" not in text and "| crash |" not in text
 
 
-def test_image_inputs_are_refused(pool):
-    """Gemma 3's multimodal class runs text batches exactly (above); given pixel values, it refuses
-    on every rank before the first layer."""
-    for message in pool.run(("first", 2), zoo_cases.image_inputs, "gemma3")[0]:
-        assert "was given `pixel_values`" in message and "image, audio" in message, message
-
-
 def test_a_mask_made_outside_the_forward_is_refused(pool):
     """The forward's context reaches the attention layers in the masks the pre-hook's forward makes;
     a mask made without it (the model called through a module the adapter did not hook) raises."""

@@ -309,6 +309,10 @@ FAMILY = {
     "musicgen": dict(decoder=dict(num_codebooks=2)),
     "musicgen_melody": dict(decoder=dict(num_codebooks=2)),
 }
+# mRoPE's sections over head_dim 8's 4 frequencies (the default's are a real model's, [16, 24, 24])
+MROPE = dict(rope_type="default", rope_theta=1e6, mrope_section=[1, 1, 2])
+MROPE = dict(text_config=dict(rope_parameters=MROPE))
+FAMILY |= {"qwen2_vl": MROPE, "qwen2_5_vl": MROPE, "paddleocr_vl": MROPE}
 FAMILY["qwen4_exp"] = dict(text_config=FAMILY["qwen4_exp_text"])
 FAMILY["llama4"] = dict(text_config=FAMILY["llama4_text"])
 FAMILY["gemma3n"] = dict(text_config=FAMILY["gemma3n_text"])  # (needs timm for its vision tower anyway)

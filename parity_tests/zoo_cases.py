@@ -239,20 +239,6 @@ def _ratios(model, batch, reference, local, group, layout):
     return ratios, why
 
 
-def image_inputs(group, model_type):
-    """A multimodal family made CP and given a text batch with pixel values: the ValueError."""
-    model = zoo.build(model_type)
-    hf.parallelize(model, group, verbose=False)
-    local = hf.shard_batch(zoo.padded_batch(model.config), group)
-    vision = model.config.vision_config
-    pixels = torch.zeros(3, vision.num_channels, vision.image_size, vision.image_size, dtype=torch.float64)
-    try:
-        model(**local, pixel_values=pixels)
-    except ValueError as e:
-        return str(e)
-    return None
-
-
 def compiled_whole_model(group, model_type, case):
     """The family made CP, then the whole model compiled (aot_eager, fullgraph=True: the pre-hook,
     the masks carrying the forward's context and every layer in one graph): the largest difference

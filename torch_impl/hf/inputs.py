@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from torch_impl import _group, validation
+from torch_impl.hf import media
 from torch_impl.hf._common import IMPLEMENTATION, INDEXED, RUNNING, Arguments, Aside, Context
 from torch_impl.hf.documents import creates_cache as _creates_cache
 from torch_impl.hf.indexed import IndexedContext
@@ -194,8 +195,26 @@ class ModelInputs:
             raise ValueError(error)
         gather = partial(gather_metadata, group=self.group, layout=self.layout)
         shard = ShardPlan.of(self.layout, _group.world_size(self.group), _group.rank(self.group), L)
+        # bool [B, S]: the attention_mask, gathered here once per forward for every layer (a byte a
+        # token), not by the mask functions, which some models call in an order that differs
+        # between processes (over a set of layer types)
+        padded = None if padding is None else gather(padding.bool())
+        changes = {}
+        if media.given(argument, self.arguments.names):  # images, videos: the model's merge, sharded
+            types = next((argument(k) for k in TYPE_KEYS if argument(k) is not None), None)
+            changes = media.inputs(
+                module,
+                argument,
+                gather(argument("input_ids")),
+                None if types is None else gather(types),
+                padded,
+                shard.rows(tokens.device),
+                self.group,
+            )
+            positions = changes.pop("position_ids", positions)  # [3, B, L] where the model's mRoPE
         documents = everywhere = None
-        packed = positions is not None and padding is None and cache is None and not creates_cache
+        packed = positions is not None and positions.ndim == 2 and padding is None and cache is None
+        packed = packed and not creates_cache
         if packed and self.isolates is None:
             raise ValueError(
                 f"`{IMPLEMENTATION}`: packed rows (position_ids without attention_mask) given to "
@@ -207,10 +226,6 @@ class ModelInputs:
         if packed and self.isolates:  # as one process would
             everywhere = gather(positions.expand(B, -1).contiguous())  # [B, S]
             documents = packed_ids(everywhere)  # [B, S]
-        # bool [B, S]: the attention_mask, gathered here once per forward for every layer (a byte a
-        # token), not by the mask functions, which some models call in an order that differs
-        # between processes (over a set of layer types)
-        padded = None if padding is None else gather(padding.bool())
         if positions is None:
             ids = argument("input_ids") if self.positions.needs_ids else None
             rows = shard.rows(tokens.device)[None]  # [1, L]: this rank's global rows
@@ -232,10 +247,11 @@ class ModelInputs:
                 past_key_values=None,
                 position_ids=positions,
                 use_cache=False,
+                **changes,
             )
         if "position_ids" not in self.arguments.names:  # a model without attention (Mamba)
             return args, kwargs
-        return self.arguments.replace(args, kwargs, position_ids=positions)
+        return self.arguments.replace(args, kwargs, position_ids=positions, **changes)
 
     @staticmethod
     def signature(argument, tokens, creates_cache):
@@ -262,10 +278,18 @@ class ModelInputs:
         """What is wrong with passing the hooked forward's other arguments, or None: under CP a
         rank holds a shard of a text batch, and the adapter splits nothing else. A value the
         model's config holds under the same name is a setting, not an input (LLaVA's and
-        Mistral 3's `vision_feature_layer`, which their forward's decorator fills in)."""
+        Mistral 3's `vision_feature_layer`, which their forward's decorator fills in). Images and
+        videos, with their token types, are taken from the families torch_impl.hf.media verifies."""
+        given = media.given(argument, self.arguments.names)
+        if given:
+            error = media.refusal(module, argument, given)
+            if error:
+                return error
         for name in self.arguments.names:
             value = argument(name)
             if name in TEXT_INPUTS or value is None or _config_setting(module, name, value):
+                continue
+            if given and name in (*media.MEDIA_KEYS, *TYPE_KEYS):
                 continue
             if name in TYPE_KEYS:
                 return (
@@ -317,8 +341,12 @@ def shard_batch(
     takes them without CP; a vision-language processor's `token_type_ids` or `mm_token_type_ids`
     of a text-only batch (all 0: ValueError where one marks an image or video token) are checked
     and dropped, the model then running its text path, which a text-only batch takes in one
-    process too. Labels of a sequence classification model, one per row ([B] or [B,
-    labels], any float labels), are passed whole, with no shift_labels or count.
+    process too. Images and videos as the processor returns them (`pixel_values`,
+    `image_grid_thw`, `pixel_values_videos`, `video_grid_thw`, `image_sizes`,
+    `second_per_grid_ts`) go to every rank whole, with the shards of the token types; the model's
+    pre-hook splits the vision tower's work over the ranks (torch_impl.hf.media). Labels of a
+    sequence classification model, one per row ([B] or [B, labels], any float labels), are passed
+    whole, with no shift_labels or count.
     Returns the [B, L] shards, `use_cache=False`, and for labels:
     `shift_labels`, shifted over the *global* sequence (the last token of shard r predicts the first
     of shard r+1), and `num_items_in_batch`, the global count of valid shifted labels, so that the
@@ -335,17 +363,18 @@ def shard_batch(
     """
     group = _group.resolve_group(group)
     check_layout(layout)
-    unknown = sorted(set(batch) - set(BATCH_KEYS) - set(TYPE_KEYS))
+    unknown = sorted(set(batch) - set(BATCH_KEYS) - set(TYPE_KEYS) - set(media.MEDIA_KEYS))
     if unknown or "input_ids" not in batch:
         raise ValueError(
-            f"`batch` must hold input_ids and optionally {BATCH_KEYS[1:]} or {TYPE_KEYS}, got keys "
-            f"{sorted(batch)}"
+            f"`batch` must hold input_ids and optionally {BATCH_KEYS[1:]}, {TYPE_KEYS} or images and "
+            f"videos {media.MEDIA_KEYS}, got keys {sorted(batch)}"
         )
+    whole = {key: batch[key] for key in media.MEDIA_KEYS if batch.get(key) is not None}  # every rank's
     for key in TYPE_KEYS:
-        if key in batch and bool(batch[key].ne(0).any()):
+        if key in batch and not whole and bool(batch[key].ne(0).any()):
             raise ValueError(
-                f"`batch[{key!r}]` marks image or video tokens (nonzero types): images are not split "
-                "across CP ranks; a text-only batch's types (all 0) are accepted"
+                f"`batch[{key!r}]` marks image or video tokens (nonzero types) but the batch holds no "
+                f"images or videos ({media.MEDIA_KEYS})"
             )
 
     n, r = _group.world_size(group), _group.rank(group)
@@ -359,13 +388,16 @@ def shard_batch(
             f"row, for a sequence classification model), got {tuple(labels.shape)}"
         )
     for key, value in batch.items():
-        if key == "labels" and per_row:
+        if key == "labels" and per_row or key in media.MEDIA_KEYS:
             continue
         if tuple(value.shape) != (B, S):
             raise ValueError(
                 f"`batch[{key!r}]` must be [B, S] = {(B, S)} like input_ids, got {tuple(value.shape)}"
             )
-    batch = {key: value for key, value in batch.items() if key not in TYPE_KEYS}  # all text: dropped
+    # the token types of a text-only batch (all 0) are dropped; with media, sharded for mRoPE
+    batch = {
+        key: v for key, v in batch.items() if key not in media.MEDIA_KEYS and (whole or key not in TYPE_KEYS)
+    }
     if S % n:
         raise ValueError(f"the sequence length S={S} must be divisible by the CP size n={n}")
     if layout == "head_tail" and S % (2 * n):
@@ -376,6 +408,7 @@ def shard_batch(
     L = S // n
     rows = ShardPlan.of(layout, n, r, L).rows(batch["input_ids"].device)  # [L]
     local = {key: value if key == "labels" and per_row else value[:, rows] for key, value in batch.items()}
+    local |= whole
     local["use_cache"] = False
     if "labels" in batch and not per_row:
         shifted = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)  # [B, S]: target of token t

@@ -1,0 +1,191 @@
+"""Images and videos in a CP batch, through transformers' own `mm_encoder_outputs`.
+
+`shard_batch` gives every rank the batch's media whole (pixel values, grids, image sizes: a few
+bytes a pixel, no activations) and its shard of the token ids and token types. In the forward,
+rank r encodes its share of the items (images, videos): contiguous, balanced by pixel count, so
+about 1/n of the vision tower's work. The features (and Qwen3-VL's deepstack features) are
+all-gathered, and the rank keeps those of its own placeholder tokens, in the order the model's
+`masked_scatter` fills them; in backward the all-gather's reduce-scatter returns to each encoding
+rank the gradients of every rank's tokens, so the vision tower and the projector get exactly one
+process's gradients once summed over the ranks. (Encoding what a rank's shard holds instead would
+encode an image that straddles shards on each of its ranks, and one long video on every rank.)
+
+mRoPE's 3-D positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) are the model's own
+`compute_3d_position_ids` over the whole rows (token ids, types and padding gathered once), then
+this rank's rows of them.
+"""
+
+import inspect
+from types import SimpleNamespace
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from torch_impl import _group
+from torch_impl.hf._common import IMPLEMENTATION
+from torch_impl.metadata import gather_metadata
+from torch_impl.sequence import gather_sequence
+
+
+class Modality(NamedTuple):
+    pixels: str  # the processor's pixel values: one entry per item, or per patch where `grid` is given
+    grid: str  # [items, 3]: each item's (t, h, w) patches, whose product is its pixel rows
+    per_item: tuple  # other inputs with one entry per item, split with the pixels
+    token_ids: tuple  # the config's names for its placeholder token's id
+    encoder: str  # the base model's method from pixels to features
+
+
+MODALITIES = {
+    "image": Modality(
+        "pixel_values",
+        "image_grid_thw",
+        ("image_sizes",),
+        ("image_token_id", "image_token_index"),
+        "get_image_features",
+    ),
+    "video": Modality("pixel_values_videos", "video_grid_thw", (), ("video_token_id",), "get_video_features"),
+}
+# what shard_batch passes every rank whole (Qwen2.5-VL's second_per_grid_ts: mRoPE's video timing)
+MEDIA_KEYS = tuple(k for m in MODALITIES.values() for k in (m.pixels, m.grid, *m.per_item)) + (
+    "second_per_grid_ts",
+)
+# the families whose media are exact under CP (parity_tests/test_hf_media.py); others are refused
+VERIFIED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava", "mistral3")
+WHY = {  # model type: why its media are refused
+    "gemma3": "attends bidirectionally within each image (token_type_ids), which reads later ranks' tokens",
+    "paligemma": "attends bidirectionally over its image and prefix, which reads later ranks' tokens",
+}
+
+
+def given(argument, names):
+    """The media the hooked forward was given (names of MEDIA_KEYS set)."""
+    return [name for name in names if name in MEDIA_KEYS and argument(name) is not None]
+
+
+def refusal(module, argument, media):
+    """What is wrong with giving this model these media under CP, or None."""
+    model_type = getattr(module.config, "model_type", type(module).__name__)
+    if model_type not in VERIFIED:
+        why = WHY.get(model_type, "its vision inputs are not verified under CP")
+        return (
+            f"`{IMPLEMENTATION}`: {type(module).__name__} was given {media}: {model_type} {why}; "
+            f"images and videos are split across CP ranks for {', '.join(VERIFIED)}"
+        )
+    if argument("input_ids") is None:
+        return (
+            f"`{IMPLEMENTATION}`: images and videos under CP need input_ids (their placeholder tokens "
+            "locate the features), not inputs_embeds"
+        )
+    return None
+
+
+def inputs(module, argument, ids, types, padding, rows, group):
+    """The hooked forward's changed arguments for its media: `mm_encoder_outputs` holding this
+    rank's placeholder tokens' features, the pixels dropped, and where the model makes mRoPE
+    positions itself, those of rows [L]. ids, types: the gathered token ids and token types [B, S]
+    (types None if not given); padding: the gathered attention_mask, bool [B, S], or None."""
+    changes, outputs = {}, {}
+    width = module.get_input_embeddings().embedding_dim
+    for name, modality in MODALITIES.items():
+        pixels = argument(modality.pixels)
+        if pixels is None:
+            continue
+        features = _encode(module, modality, pixels, argument, group)  # [tokens, W]: every item's
+        placeholder = ids == _token_id(module.config, modality)  # [B, S]
+        if placeholder.sum() != features.shape[0]:
+            raise ValueError(
+                f"`{IMPLEMENTATION}`: the batch has {int(placeholder.sum())} {name} placeholder tokens and "
+                f"its {name}s {features.shape[0]} features"
+            )
+        order = placeholder.flatten().cumsum(0).view_as(placeholder) - 1  # [B, S]: feature of each
+        mine = features[order[:, rows][placeholder[:, rows]]]  # [local tokens, W], row-major
+        pooled, *deep = mine.split(width, dim=-1)
+        outputs[name] = SimpleNamespace(pooler_output=(pooled,), deepstack_features=[(d,) for d in deep])
+        changes[modality.pixels] = None
+    changes["mm_encoder_outputs"] = outputs
+    given = argument("position_ids") is not None
+    positions = None if given else _positions(module, argument, ids, types, padding)  # [3, B, S]
+    if positions is not None:  # the model's mRoPE over the whole rows: this rank's
+        changes["position_ids"] = positions[..., rows]  # [3, B, L]
+        changes["mm_token_type_ids"] = None  # (used for the positions only)
+    return changes
+
+
+def _positions(module, argument, ids, types, padding):
+    """The model's own positions for its media (`compute_3d_position_ids`: mRoPE's [3, B, S]) over
+    the whole rows, or None for a model that makes none."""
+    compute = getattr(module, "compute_3d_position_ids", None)
+    if compute is None:
+        return None
+    values = {
+        "input_ids": ids,
+        "inputs_embeds": None,
+        "attention_mask": None if padding is None else padding.long(),
+        "past_key_values": None,
+        "mm_token_type_ids": types,
+    }
+    values |= {key: argument(key) for key in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")}
+    taken = inspect.signature(compute).parameters
+    return compute(**{key: value for key, value in values.items() if key in taken})
+
+
+def _token_id(config, modality):
+    for key in modality.token_ids:
+        if getattr(config, key, None) is not None:
+            return getattr(config, key)
+    raise ValueError(
+        f"`{IMPLEMENTATION}`: the config names no placeholder token ({' or '.join(modality.token_ids)})"
+    )
+
+
+def share(weights, n):
+    """Each rank's items [lo, hi): contiguous, balanced by weight (an item goes to the rank whose
+    part of the total holds its middle)."""
+    weights = [float(w) for w in weights]
+    total, before, owner = sum(weights) or 1.0, 0.0, []
+    for w in weights:
+        owner.append(min(int(n * (before + w / 2) / total), n - 1))
+        before += w
+    return [(sum(o < r for o in owner), sum(o <= r for o in owner)) for r in range(n)]
+
+
+def _encode(module, modality, pixels, argument, group):
+    """Every item's features [tokens, W] in item order (pooled, then any deepstack features side by
+    side), this rank having encoded its share."""
+    n, r = _group.world_size(group), _group.rank(group)
+    grid = argument(modality.grid)
+    rows = grid.prod(-1) if grid is not None else torch.ones(len(pixels), dtype=torch.long)  # [items]
+    lo, hi = share(rows.tolist(), n)[r]
+    x = None
+    if hi > lo:
+        start, stop = int(rows[:lo].sum()), int(rows[:hi].sum())
+        kwargs = {modality.pixels: pixels[start:stop]}
+        for key in (modality.grid, *modality.per_item):
+            if argument(key) is not None:
+                kwargs[key] = argument(key)[lo:hi]
+        encoder = getattr(module, modality.encoder)
+        for key in inspect.signature(encoder).parameters:  # settings the forward passes on
+            if key not in kwargs and key not in MEDIA_KEYS and argument(key) is not None:
+                kwargs[key] = argument(key)
+        out = encoder(**kwargs, return_dict=True)
+        pooled = (
+            torch.cat(list(out.pooler_output))
+            if isinstance(out.pooler_output, (tuple, list))
+            else out.pooler_output
+        )
+        deep = [torch.cat(list(f)) for f in getattr(out, "deepstack_features", None) or []]
+        x = torch.cat([pooled.flatten(0, -2), *deep], dim=-1)  # [tokens, W]
+    embeddings = module.get_input_embeddings().weight
+    sizes = torch.tensor(
+        [[0, 0, 0]] if x is None else [[*x.shape, x.requires_grad]], device=embeddings.device
+    )
+    sizes = gather_metadata(sizes[None], group)[0]  # [n, 3]: each rank's tokens, width, whether it needs grad
+    M, W, grad = (int(v) for v in sizes.amax(dim=0))
+    if x is None:
+        x = embeddings.new_zeros(0, W)
+    padded = F.pad(x, (0, W - x.shape[1], 0, M - x.shape[0]))[None]  # [1, M, W]
+    if grad and not padded.requires_grad and torch.is_grad_enabled():  # every rank joins backward
+        padded = padded.detach().requires_grad_()
+    every = gather_sequence(padded, group)[0].view(n, M, W)  # [n, M, W]
+    return torch.cat([every[i, : int(sizes[i, 0])] for i in range(n)])  # [tokens, W]
