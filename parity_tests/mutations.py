@@ -469,6 +469,20 @@ MUTATIONS += [
         "outs.append((y0, decay.roll(1, dims=2), C[..., rows]))",
         ("parity_tests/test_recurrent.py", "-k", "selective_scan_random and contiguous"),
     ),
+    Mutation(  # Zaya's projection: a chunk's outputs taken from the front, the halo's among them
+        "cca_halo_outputs_kept",
+        "torch_impl/hf/cca.py",
+        "return tuple(t[:, -C:] for t in self.own(x, None, None))",
+        "return tuple(t[:, :C] for t in self.own(x, None, None))",
+        ("parity_tests/test_models.py", "-k", "zaya"),
+    ),
+    Mutation(  # Zaya's projection: a document piece reads the tokens before its document's start
+        "cca_across_a_document_start",
+        "torch_impl/hf/cca.py",
+        "begin = max(row[lo], w.start + lo - reach)",
+        "begin = max(w.first_key, w.start + lo - reach)",
+        ("parity_tests/test_models.py", "-k", "zaya"),
+    ),
     Mutation(  # mRoPE positions computed from each rank's own shard, not over the whole rows
         "mrope_positions_per_shard",
         "torch_impl/hf/media.py",

@@ -15,6 +15,7 @@ from torch_impl.hf import media
 CASES = [(family, 2, "contiguous", False) for family in media.VERIFIED]
 CASES += [(family, 4, "head_tail", False) for family in media.VERIFIED]
 CASES += [(family, 2, "contiguous", True) for family in media_cases.QWEN]
+CASES += [(family, 4, "head_tail", True) for family in media_cases.QWEN]  # a frame per rank
 
 
 @pytest.mark.parametrize("family, n, layout, video", CASES)

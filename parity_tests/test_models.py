@@ -40,6 +40,7 @@ QUICK = {  # family: (what it exercises, its verdict)
     "recurrent_gemma": ("RG-LRU (a per-channel gated scan) behind an nn.Conv1d, local attention", "exact"),
     "zamba": ("Mamba scans called once per Mamba head", "exact"),
     "xlstm": ("xLSTM's mLSTM: a matrix memory with a max-plus stabiliser", "exact"),
+    "zaya": ("q/k convs and delayed values inside the attention's projection (a halo)", "exact"),
 }
 
 
@@ -111,6 +112,7 @@ STATE_SPACE = (
     "minimax",
     "recurrent_gemma",
     "xlstm",
+    "zaya",
 )
 
 

@@ -14,8 +14,10 @@ against one process, so a wrong entry shows there as a wrong family.
 
 from functools import partial
 
-from torch_impl.hf._common import RUNNING, Arguments, Aside, Context
-from torch_impl.layout import Documents, ShardPlan, packed_ids
+import torch
+
+from torch_impl.hf._common import RUNNING, Arguments, Aside, Context, stepping_aside
+from torch_impl.layout import Documents, ShardPlan, document_starts, packed_ids
 
 _ISOLATING = """
     AXK1Model AXK2Model ApertusModel ArceeModel AriaTextModel BailingHybridModel BambaModel
@@ -68,7 +70,7 @@ def isolates_documents(modules):
 class OneRankDocuments:
     """Without CP (one rank), a forward pre-hook on the module receiving the inputs of a model
     with linear-attention layers that isolates packed documents, so that those layers keep the
-    documents apart as they do under CP (torch_impl.hf.recurrent.Packed), where transformers' torch
+    documents apart as they do under CP (Packed), where transformers' torch
     kernels would carry the state across them. Packed rows (position_ids, no attention_mask, no
     cache: transformers' rule for isolating them) get a Context holding their documents; any other
     call runs as the model does (Aside: the model's own kernels). Nothing is communicated."""
@@ -113,3 +115,42 @@ def creates_cache(module, argument):
     use_cache = argument("use_cache")
     use_cache = getattr(module.config, "use_cache", False) if use_cache is None else use_cache
     return bool(use_cache) and not (getattr(module, "gradient_checkpointing", False) and module.training)
+
+
+class Packed:
+    """Packed documents in a recurrent layer: a document start resets the state and the conv reads
+    nothing before it, as if each document ran alone. The documents are the forward's (its
+    Context, built from the gathered positions where the model isolates packed documents:
+    torch_impl.hf.documents). Under activation checkpointing the recomputation finds the forward's
+    Context again through hf.checkpoint_kwargs()'s context_fn; recomputed without it, a layer that
+    saw documents in its forward raises rather than mix them."""
+
+    def __init__(self, group):
+        self.group = group
+        self.seen = False  # whether this layer has run a forward with packed documents
+
+    def aside(self):
+        """Whether the call runs as the model does (its own kernels): an unsharded (Aside) forward,
+        or without CP one recomputed outside any forward's context (a one-rank model's forwards
+        without packed documents are Aside ones)."""
+        if stepping_aside():
+            return True
+        return self.group is None and RUNNING.context is None and not self.seen
+
+    def first_rows(self):
+        """int64 [B, S] by global row: the first row of each token's document (None: no documents)."""
+        context = RUNNING.context
+        if context is None:
+            if self.seen:
+                raise ValueError(
+                    "torch_impl.hf: a recurrent layer that has been given packed documents was recomputed "
+                    "under activation checkpointing without hf.checkpoint_kwargs() (its context_fn carries "
+                    "the documents into the recomputation); enable checkpointing with those kwargs"
+                )
+            return None
+        documents = getattr(context, "documents", None)
+        if (
+            documents is not None and not torch.compiler.is_compiling()
+        ):  # compiled, the recomputation is traced
+            self.seen = True
+        return None if documents is None else document_starts(documents.ids)

@@ -2,13 +2,13 @@
 
 `shard_batch` gives every rank the batch's media whole (pixel values, grids, image sizes: a few
 bytes a pixel, no activations) and its shard of the token ids and token types. In the forward,
-rank r encodes its share of the items (images, videos): contiguous, balanced by pixel count, so
-about 1/n of the vision tower's work. The features (and Qwen3-VL's deepstack features) are
-all-gathered, and the rank keeps those of its own placeholder tokens, in the order the model's
-`masked_scatter` fills them; in backward the all-gather's reduce-scatter returns to each encoding
-rank the gradients of every rank's tokens, so the vision tower and the projector get exactly one
-process's gradients once summed over the ranks. (Encoding what a rank's shard holds instead would
-encode an image that straddles shards on each of its ranks, and one long video on every rank.)
+rank r encodes its share of the items (images, videos; Qwen's split into frames): contiguous,
+balanced by pixel count, so about 1/n of the vision tower's work. The features (and Qwen3-VL's
+deepstack features) are all-gathered, and the rank keeps those of its own placeholder tokens, in
+the order the model's `masked_scatter` fills them; in backward the all-gather's reduce-scatter
+returns to each encoding rank the gradients of every rank's tokens, so the vision tower and the
+projector get exactly one process's gradients once summed over the ranks. (Encoding what a
+rank's shard holds instead would encode an image that straddles shards on each of its ranks.)
 
 mRoPE's 3-D positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) are the model's own
 `compute_3d_position_ids` over the whole rows (token ids, types and padding gathered once), then
@@ -152,16 +152,22 @@ def share(weights, n):
 
 def _encode(module, modality, pixels, argument, group):
     """Every item's features [tokens, W] in item order (pooled, then any deepstack features side by
-    side), this rank having encoded its share."""
+    side), this rank having encoded its share. Items with a grid are split into their frames
+    (t = 1 each: the Qwen towers attend within a frame), so that one long video is shared too."""
     n, r = _group.world_size(group), _group.rank(group)
     grid = argument(modality.grid)
+    if grid is not None and all(argument(key) is None for key in modality.per_item):
+        grid = grid.repeat_interleave(grid[:, 0], dim=0)  # [frames, 3], a new tensor
+        grid[:, 0] = 1
     rows = grid.prod(-1) if grid is not None else torch.ones(len(pixels), dtype=torch.long)  # [items]
     lo, hi = share(rows.tolist(), n)[r]
     x = None
     if hi > lo:
         start, stop = int(rows[:lo].sum()), int(rows[:hi].sum())
         kwargs = {modality.pixels: pixels[start:stop]}
-        for key in (modality.grid, *modality.per_item):
+        if grid is not None:
+            kwargs[modality.grid] = grid[lo:hi]
+        for key in modality.per_item:
             if argument(key) is not None:
                 kwargs[key] = argument(key)[lo:hi]
         encoder = getattr(module, modality.encoder)

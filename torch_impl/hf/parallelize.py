@@ -18,6 +18,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from torch_impl import _group
 from torch_impl.hf._common import IMPLEMENTATION, INDEXED, RUNNING, mix
 from torch_impl.hf.attention import AttentionSetup, temperature_scale
+from torch_impl.hf.cca import is_cca
 from torch_impl.hf.documents import OneRankDocuments, isolates_documents
 from torch_impl.hf.heads import apply_head, check_head
 from torch_impl.hf.indexed import AbsorbedMLA, BlockedIndexer
@@ -338,6 +339,9 @@ def apply_linear_attention(modules, group, layout="contiguous"):
         name = apply_recurrent(module, group, layout)
         if is_lightning(module):
             path = "its block loop from zero per chunk, corrected by the earlier chunks' state (gather_state)"
+        elif is_cca(module):
+            path = "its own forward per chunk over the K hidden states before it (a halo: its q/k convs "
+            path += "and delayed values)"
         elif is_mlstm(module):
             path = "its own forward per chunk from zero (its map), then from the earlier chunks' state "
             path += "(gather_state) and stabiliser (max-plus fold)"

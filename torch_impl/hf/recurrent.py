@@ -32,9 +32,10 @@ from transformers.activations import ACT2FN
 
 from torch_impl import _group
 from torch_impl.halo import gather_halo
-from torch_impl.hf._common import RUNNING, stepping_aside
+from torch_impl.hf.cca import CCAHalo, is_cca
+from torch_impl.hf.documents import Packed
 from torch_impl.hf.mlstm import MLSTMState, is_mlstm
-from torch_impl.layout import ShardPlan, document_starts
+from torch_impl.layout import ShardPlan
 from torch_impl.state import gather_state
 
 CONV = "causal_conv1d_fn"  # (x [B, C, L], weight [C, K], bias, activation) -> [B, C, L]
@@ -99,8 +100,10 @@ def is_griffin(module: nn.Module) -> bool:
 
 
 def is_known(module: nn.Module) -> bool:
-    """Whether `module` is a linear-attention module made CP here (or xLSTM's mLSTM, torch_impl.hf.mlstm)."""
-    return kernel_of(module) is not None or is_lightning(module) or is_griffin(module) or is_mlstm(module)
+    """Whether `module` is a linear-attention module made CP here (or xLSTM's mLSTM, torch_impl.hf.mlstm;
+    Zaya's CCA projection, torch_impl.hf.cca)."""
+    known = kernel_of(module) is not None or is_lightning(module) or is_griffin(module)
+    return known or is_mlstm(module) or is_cca(module)
 
 
 def apply_recurrent(module: nn.Module, group, layout: str) -> str:
@@ -112,6 +115,9 @@ def apply_recurrent(module: nn.Module, group, layout: str) -> str:
     if is_mlstm(module):
         module.forward = MLSTMState(module, group, layout)
         return "xLSTM's mLSTM"
+    if is_cca(module):
+        module.forward = CCAHalo(module, group, layout)
+        return "Zaya's CCA projection"
     if is_griffin(module):
         halo = ConvModuleHalo(module.conv_1d, group, layout)
         module.rg_lru._rnn_scan = DiagonalScan(module.rg_lru._rnn_scan, group, layout, halo.packed)
@@ -154,45 +160,6 @@ class Unfused:
 
     def __call__(self, *args, **kwargs):
         return self.kernel(*args, **kwargs) if self.packed.aside() else None
-
-
-class Packed:
-    """Packed documents in a recurrent layer: a document start resets the state and the conv reads
-    nothing before it, as if each document ran alone. The documents are the forward's (its
-    Context, built from the gathered positions where the model isolates packed documents:
-    torch_impl.hf.documents). Under activation checkpointing the recomputation finds the forward's
-    Context again through hf.checkpoint_kwargs()'s context_fn; recomputed without it, a layer that
-    saw documents in its forward raises rather than mix them."""
-
-    def __init__(self, group):
-        self.group = group
-        self.seen = False  # whether this layer has run a forward with packed documents
-
-    def aside(self):
-        """Whether the call runs as the model does (its own kernels): an unsharded (Aside) forward,
-        or without CP one recomputed outside any forward's context (a one-rank model's forwards
-        without packed documents are Aside ones)."""
-        if stepping_aside():
-            return True
-        return self.group is None and RUNNING.context is None and not self.seen
-
-    def first_rows(self):
-        """int64 [B, S] by global row: the first row of each token's document (None: no documents)."""
-        context = RUNNING.context
-        if context is None:
-            if self.seen:
-                raise ValueError(
-                    "torch_impl.hf: a recurrent layer that has been given packed documents was recomputed "
-                    "under activation checkpointing without hf.checkpoint_kwargs() (its context_fn carries "
-                    "the documents into the recomputation); enable checkpointing with those kwargs"
-                )
-            return None
-        documents = getattr(context, "documents", None)
-        if (
-            documents is not None and not torch.compiler.is_compiling()
-        ):  # compiled, the recomputation is traced
-            self.seen = True
-        return None if documents is None else document_starts(documents.ids)
 
 
 def pieces(first, start, stop):
