@@ -88,6 +88,7 @@ bench-other: $(STAMP)
 	$(PY) -m benchmarks.dsa_bytes --json $(RESULTS)/dsa_bytes.json
 	$(PY) -m benchmarks.dsa_bytes --coverage --json $(RESULTS)/dsa_coverage.json
 	$(PY) -m benchmarks.inputs_check --json $(RESULTS)/inputs_check.json
+	$(PY) -m benchmarks.media_cost --json $(RESULTS)/media_cost.json
 	$(REPORT)
 
 bench-report: $(STAMP)

@@ -414,6 +414,24 @@ def dsa_bytes(data):
     return f"{chr(10).join(lines)}\n\n{provenance(data)}"
 
 
+def media_cost(data):
+    a = data["args"]
+    lines = [
+        f"{a['images']} images of {a['side']} x {a['side']} pixels in a batch, Qwen2-VL's tower "
+        "(depth 4, 128 wide), one thread each:",
+        "",
+        "| n | the last rank's images | its tower time / one process's "
+        "| feature rows it receives / the batch's |",
+        "|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        lines.append(
+            f"| {r['n']} | {r['images']} | {r['time_ratio']:.2f} (1/n = {1 / r['n']:.2f}) | "
+            f"{r['received_rows']} / {r['feature_rows']} |"
+        )
+    return f"{chr(10).join(lines)}\n\n{provenance(data)}"
+
+
 def dsa_coverage(data):
     lines = [
         "| S | n | index_topk | share of the earlier tokens selected: least | median |",
@@ -486,6 +504,7 @@ BLOCKS = {
     "inputs_check": (["inputs_check"], inputs_check),
     "dsa_bytes": (["dsa_bytes"], dsa_bytes),
     "dsa_coverage": (["dsa_coverage"], dsa_coverage),
+    "media_cost": (["media_cost"], media_cost),
 }
 
 # which make target writes each results file
@@ -509,6 +528,7 @@ TARGETS = {
             "inputs_check",
             "dsa_bytes",
             "dsa_coverage",
+            "media_cost",
         )
     },
 }

@@ -150,3 +150,15 @@ def test_gpu_check_reports_tests_that_ran_past_their_share(tmp_path):
     assert tests["interrupted"].startswith("ran past 0 s, in ") and tests["passed"] == 0, tests
     assert "stopped: ran past" in done.stdout
     assert (tmp_path / "gpu_check_tests.log").exists()
+
+
+def test_media_cost_quick_mode_counts_each_ranks_share(tmp_path):
+    """The vision tower benchmark's quick mode (4 images): the last rank's share for n = 2, 4, 8
+    and the feature rows it receives are the share's complement (no timing assertions)."""
+    json_path = tmp_path / "media.json"
+    bench("media_cost", "--quick", "--json", json_path)
+    rows = json.loads(json_path.read_text())["rows"]
+    assert [(r["n"], r["images"]) for r in rows] == [(2, 2), (4, 1), (8, 1)]
+    for r in rows:  # 56 x 56 pixels: 4 x 4 patches, 2 x 2 merged, 4 rows an image
+        assert r["feature_rows"] == 16 and r["received_rows"] == 16 - 4 * r["images"]
+        assert r["time_ratio"] > 0

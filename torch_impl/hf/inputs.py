@@ -294,12 +294,13 @@ class ModelInputs:
             if name in TYPE_KEYS:
                 return (
                     f"`{IMPLEMENTATION}`: the model was given `{name}` directly; under CP pass it in the "
-                    "batch to hf.shard_batch, which takes a text-only batch's (all 0) and refuses images'"
+                    "batch to hf.shard_batch, which shards it with the tokens"
                 )
             return (
                 f"`{IMPLEMENTATION}`: the model was given `{name}`; under CP a rank takes its shard of a "
-                "text batch only (input_ids or inputs_embeds, attention_mask, position_ids, labels): "
-                "image, audio and other inputs are not split across CP ranks"
+                "text batch (input_ids or inputs_embeds, attention_mask, position_ids, labels) and the "
+                f"batch's images and videos {media.MEDIA_KEYS}: audio and other inputs are not split "
+                "across CP ranks"
             )
         return None
 

@@ -54,7 +54,7 @@ def refusal(args, trainer=None):
     if getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None) is not None:
         return "tools or environments: their tool masks are not made CP here"
     if trainer._is_vlm:
-        return "a vision-language model: images are not split across CP ranks"
+        return "a vision-language model: this trainer's images are not split across CP ranks"
     return whole_rows.prompt_learning(trainer.model)
 
 

@@ -143,7 +143,7 @@ def refusal(t):
     """Why TRL's DPOTrainer or KTOTrainer `t`, as its arguments configure it, is not exact under
     CP; None where it is."""
     if getattr(t, "_is_vision_dataset", False):
-        return "a vision dataset: images are not split across CP ranks"
+        return "a vision dataset: this trainer's images are not split across CP ranks (hf.shard_batch's are)"
     if t.args.use_liger_kernel:
         return "`use_liger_kernel`: Liger's loss reads the model's hidden states, not its fused LM head"
     return prompt_learning(t.model)
