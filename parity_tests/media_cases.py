@@ -15,14 +15,24 @@ from parity_tests import zoo, zoo_cases
 from torch_impl import hf
 
 S = 32
-QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
-VISION = {  # the vision tower's tiny sizes: LLaVA's and Mistral 3's images of 4 tokens
+QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+VISION = {  # the vision tower's tiny sizes: images of 4 tokens
     "llava": dict(image_size=16, patch_size=8),
     "mistral3": dict(image_size=16, patch_size=4),
+    "lighton_ocr": dict(image_size=16, patch_size=4),
+    "aya_vision": dict(image_size=16, patch_size=4),
+    "cohere2_vision": dict(image_size=16, patch_size=4),
+    "internvl": dict(image_size=[16, 16], patch_size=[4, 4]),
 }
+IMAGE_SIZES = ("mistral3", "lighton_ocr")  # their images come with their sizes
 GRIDS = ((1, 4, 8), (1, 4, 4), (1, 4, 8))  # Qwen's images A, B, C: (t, h, w) patches, 8, 4, 8 tokens
 VIDEO = (2, 4, 4)  # Qwen's video in C's place: 2 temporal patches, 8 tokens
-FRAMES = ("qwen3_vl", "qwen3_5")  # their videos' frames apart, each with its timestamp (at 14 and 21)
+FRAMES = (
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen3_5",
+    "qwen3_5_moe",
+)  # their videos' frames apart, each with its timestamp (at 14 and 21)
 STARTS = ((0, 6), (0, 20), (1, 12))  # (row, first placeholder) of A, B, C
 
 
@@ -39,7 +49,7 @@ def build(model_type):
     return model
 
 
-def media_batch(config, video=False, seed=3):
+def media_batch(config, video=False, seed=3, count=4):
     """The module docstring's batch: token ids, attention_mask, labels, the processor's media and
     token types (1: image, 2: video)."""
     gen = torch.Generator().manual_seed(seed)
@@ -57,7 +67,7 @@ def media_batch(config, video=False, seed=3):
         [(STARTS[2], VIDEO, 2)] if video else []
     )
     for (row, start), grid, kind in items:
-        count = (grid[0] * grid[1] * grid[2]) // 4 if qwen else 4  # merged 2x2 patches
+        count = (grid[0] * grid[1] * grid[2]) // 4 if qwen else count  # Qwen: merged 2x2 patches
         segments = [(start, count)]
         if kind == 2 and config.model_type in FRAMES:  # <t> <start> frame <end> <t> <start> frame <end>
             segments = [(start + 2 + 7 * t, count // grid[0]) for t in range(grid[0])]
@@ -79,20 +89,38 @@ def media_batch(config, video=False, seed=3):
             batch |= {"pixel_values_videos": torch.randn(frames, width, generator=gen, dtype=torch.float64)}
             batch |= {"video_grid_thw": torch.tensor([VIDEO])}
         return batch
-    size = vision.image_size
+    size = vision.image_size[0] if isinstance(vision.image_size, (list, tuple)) else vision.image_size
     batch["pixel_values"] = torch.randn(
         3, vision.num_channels, size, size, generator=gen, dtype=torch.float64
     )
-    if config.model_type == "mistral3":
+    if config.model_type in IMAGE_SIZES:
         batch["image_sizes"] = torch.tensor([[size, size]] * 3)
     return batch
+
+
+def tokens_an_image(model):
+    """How many placeholder tokens one of media_batch's images takes (its features' rows), for the
+    families without a grid (Qwen's are counted from it)."""
+    config = model.config
+    if config.model_type in QWEN:
+        return None
+    one = media_batch(config, count=1)
+    kwargs = {key: one[key][:1] for key in ("pixel_values", "image_sizes") if key in one}
+    with torch.no_grad():
+        out = model.model.get_image_features(**kwargs, return_dict=True)
+    pooled = out.pooler_output
+    return (
+        sum(p.shape[0] for p in pooled)
+        if isinstance(pooled, (tuple, list))
+        else pooled[0].numel() // pooled.shape[-1]
+    )
 
 
 def compare(group, model_type, layout="contiguous", video=False):
     """The worst difference / bound of logits, loss and gradients (zoo_cases._ratios), and what
     came out worst; the vision tower's gradients are among them."""
     model = build(model_type)
-    batch = media_batch(model.config, video)
+    batch = media_batch(model.config, video, count=tokens_an_image(model))
     one_process = copy.deepcopy(model)
     reference = zoo_cases._run(one_process, batch)
     decoder = next(name for name, m in model.named_modules() if m is model.get_decoder())

@@ -51,7 +51,10 @@ MEDIA_KEYS = tuple(k for m in MODALITIES.values() for k in (m.pixels, m.grid, *m
     "second_per_grid_ts",
 )
 # the families whose media are exact under CP (parity_tests/test_hf_media.py); others are refused
-VERIFIED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava", "mistral3")
+VERIFIED = (
+    *("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
+    *("llava", "mistral3", "lighton_ocr", "aya_vision", "cohere2_vision", "internvl"),
+)
 WHY = {  # model type: why its media are refused
     "gemma3": "attends bidirectionally within each image (token_type_ids), which reads later ranks' tokens",
     "paligemma": "attends bidirectionally over its image and prefix, which reads later ranks' tokens",
@@ -91,7 +94,7 @@ def inputs(module, argument, ids, types, padding, rows, group):
         pixels = argument(modality.pixels)
         if pixels is None:
             continue
-        features = _encode(module, modality, pixels, argument, group)  # [tokens, W]: every item's
+        features, as_tensor = _encode(module, modality, pixels, argument, group)  # [tokens, W]
         placeholder = ids == _token_id(module.config, modality)  # [B, S]
         if placeholder.sum() != features.shape[0]:
             raise ValueError(
@@ -101,7 +104,8 @@ def inputs(module, argument, ids, types, padding, rows, group):
         order = placeholder.flatten().cumsum(0).view_as(placeholder) - 1  # [B, S]: feature of each
         mine = features[order[:, rows][placeholder[:, rows]]]  # [local tokens, W], row-major
         pooled, *deep = mine.split(width, dim=-1)
-        outputs[name] = SimpleNamespace(pooler_output=(pooled,), deepstack_features=[(d,) for d in deep])
+        pooled = pooled[None] if as_tensor else (pooled,)  # as the model's encoder returns them
+        outputs[name] = SimpleNamespace(pooler_output=pooled, deepstack_features=[(d,) for d in deep])
         changes[modality.pixels] = None
     changes["mm_encoder_outputs"] = outputs
     given = argument("position_ids") is not None
@@ -152,7 +156,8 @@ def share(weights, n):
 
 def _encode(module, modality, pixels, argument, group):
     """Every item's features [tokens, W] in item order (pooled, then any deepstack features side by
-    side), this rank having encoded its share. Items with a grid are split into their frames
+    side), this rank having encoded its share, and whether the model's encoder returns its pooled
+    features as one tensor (not one per item). Items with a grid are split into their frames
     (t = 1 each: the Qwen towers attend within a frame), so that one long video is shared too."""
     n, r = _group.world_size(group), _group.rank(group)
     grid = argument(modality.grid)
@@ -175,23 +180,19 @@ def _encode(module, modality, pixels, argument, group):
             if key not in kwargs and key not in MEDIA_KEYS and argument(key) is not None:
                 kwargs[key] = argument(key)
         out = encoder(**kwargs, return_dict=True)
-        pooled = (
-            torch.cat(list(out.pooler_output))
-            if isinstance(out.pooler_output, (tuple, list))
-            else out.pooler_output
-        )
+        as_tensor = not isinstance(out.pooler_output, (tuple, list))  # [items, tokens, W], not per item
+        pooled = out.pooler_output if as_tensor else torch.cat(list(out.pooler_output))
         deep = [torch.cat(list(f)) for f in getattr(out, "deepstack_features", None) or []]
         x = torch.cat([pooled.flatten(0, -2), *deep], dim=-1)  # [tokens, W]
     embeddings = module.get_input_embeddings().weight
-    sizes = torch.tensor(
-        [[0, 0, 0]] if x is None else [[*x.shape, x.requires_grad]], device=embeddings.device
-    )
-    sizes = gather_metadata(sizes[None], group)[0]  # [n, 3]: each rank's tokens, width, whether it needs grad
-    M, W, grad = (int(v) for v in sizes.amax(dim=0))
+    mine = [0, 0, 0, 0] if x is None else [*x.shape, x.requires_grad, as_tensor]
+    sizes = gather_metadata(torch.tensor([[mine]], device=embeddings.device), group)[0]  # [n, 4]
+    M, W, grad, as_tensor = (int(v) for v in sizes.amax(dim=0))  # (tokens, width, grad, a tensor)
     if x is None:
         x = embeddings.new_zeros(0, W)
     padded = F.pad(x, (0, W - x.shape[1], 0, M - x.shape[0]))[None]  # [1, M, W]
     if grad and not padded.requires_grad and torch.is_grad_enabled():  # every rank joins backward
         padded = padded.detach().requires_grad_()
     every = gather_sequence(padded, group)[0].view(n, M, W)  # [n, M, W]
-    return torch.cat([every[i, : int(sizes[i, 0])] for i in range(n)])  # [tokens, W]
+    features = torch.cat([every[i, : int(sizes[i, 0])] for i in range(n)])  # [tokens, W]
+    return features, bool(as_tensor)
