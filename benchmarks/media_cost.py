@@ -41,13 +41,10 @@ def build(args):
     return model.model, pixels, grid
 
 
-def timed(fn, repeats):
-    out = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - start)
-    return out
+def seconds(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def main(argv=None):
@@ -81,7 +78,7 @@ def main(argv=None):
                 return module.get_image_features(pixels[a:b], g, return_dict=True)
 
             mine()
-            pairs = [(timed(mine, 1)[0], timed(whole, 1)[0]) for _ in range(args.repeats)]
+            pairs = [(seconds(mine), seconds(whole)) for _ in range(args.repeats)]
             rows.append(
                 {
                     "n": n,

@@ -75,13 +75,19 @@ def chunk_state(group, name, inputs, cotangent, layout, l2norm, documents=None):
     return out.detach(), {key: leaf.grad for key, leaf in leaves.items()}
 
 
-def refusals(group):
-    """A parallelized Qwen3.5 called to make a cache (generation): each rank's ValueError message."""
-    from parity_tests import hf_models
+def refusals(group, family="qwen3_5"):
+    """A parallelized Qwen3.5 (or a zoo family: Zaya) called to make a cache (generation): each
+    rank's ValueError message."""
+    from parity_tests import hf_models, zoo
     from torch_impl import hf
 
-    model = hf.parallelize(hf_models.build("qwen3_5"), group, verbose=False)
-    local = hf.shard_batch(hf_models.make_batch(), group) | {"use_cache": True}
+    if family == "qwen3_5":
+        model, batch = hf_models.build("qwen3_5"), hf_models.make_batch()
+    else:
+        model = zoo.build(family)
+        batch = zoo.padded_batch(model.config)
+    model = hf.parallelize(model, group, verbose=False)
+    local = hf.shard_batch(batch, group) | {"use_cache": True}
     try:
         model(**local)
     except ValueError as e:

@@ -111,9 +111,11 @@ def test_random_states_equal_one_process(pool, name, n, S, layout):
             bounds.check((grad - ref_grads[key][:, rows]).abs().max(), bound, f"grad of {key}")
 
 
-def test_a_recurrent_cache_is_refused_on_every_rank(pool):
-    """Generation would carry each rank's own final state: every rank raises, none hangs."""
-    for message in pool.run(("first", 2), recurrent_cases.refusals)[0]:
+@pytest.mark.parametrize("family", ["qwen3_5", "zaya"])
+def test_a_recurrent_cache_is_refused_on_every_rank(pool, family):
+    """Generation would carry each rank's own final state (Zaya: its convs' and delayed values'):
+    every rank raises, none hangs."""
+    for message in pool.run(("first", 2), recurrent_cases.refusals, family)[0]:
         assert message is not None and "generation with a cache" in message, message
 
 

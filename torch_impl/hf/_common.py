@@ -86,3 +86,14 @@ class Arguments:
             else:
                 kwargs[name] = value
         return tuple(args), kwargs
+
+
+def check_stateless(args, *given):
+    """ValueError where a kernel was given more positional arguments than its CP version knows, or
+    any of `given` (an initial state, a request for the final state, cu_seqlens / seq_idx) is set."""
+    if args or any(value is not None and value is not False for value in given):
+        raise ValueError(
+            "torch_impl.hf: a linear-attention layer was called with a recurrent state, for its final "
+            "state or with cu_seqlens / seq_idx: generation with a cache and flash-style packed "
+            "sequences are not supported under CP"
+        )

@@ -18,6 +18,7 @@ from torch import nn
 
 from torch_impl import _group
 from torch_impl.halo import gather_halo
+from torch_impl.hf._common import check_stateless
 from torch_impl.hf.documents import Packed
 from torch_impl.layout import ShardPlan
 
@@ -42,8 +43,9 @@ class CCAHalo:
         self.packed = Packed(group)
 
     def __call__(self, hidden_states, past_key_values=None, conv_mask=None):
-        if self.packed.aside() or past_key_values is not None:  # (a cache holding tokens is refused)
+        if self.packed.aside():
             return self.own(hidden_states, past_key_values, conv_mask)
+        check_stateless((), past_key_values)  # a cache would hold the shard's own conv and v states
         if conv_mask is not None:
             hidden_states = hidden_states * conv_mask[:, :, None].to(hidden_states.dtype)
         K = self.module.conv_kernel_size

@@ -32,6 +32,7 @@ from transformers.activations import ACT2FN
 
 from torch_impl import _group
 from torch_impl.halo import gather_halo
+from torch_impl.hf._common import check_stateless
 from torch_impl.hf.cca import CCAHalo, is_cca
 from torch_impl.hf.documents import Packed
 from torch_impl.hf.mlstm import MLSTMState, is_mlstm
@@ -139,17 +140,6 @@ def apply_recurrent(module: nn.Module, group, layout: str) -> str:
     return "short convolution" if kernel is None else KERNELS[kernel][0]
 
 
-def _check_stateless(args, *given):
-    """ValueError where a kernel was given more positional arguments than its CP version knows, or
-    any of `given` (an initial state, a request for the final state, cu_seqlens / seq_idx) is set."""
-    if args or any(value is not None and value is not False for value in given):
-        raise ValueError(
-            "torch_impl.hf: a linear-attention layer was called with a recurrent state, for its final "
-            "state or with cu_seqlens / seq_idx: generation with a cache and flash-style packed "
-            "sequences are not supported under CP"
-        )
-
-
 class Unfused:
     """A fused kernel (mamba_ssm's conv + scan + norm + projection) in a CP forward: None, the
     forward's cue for its own unfused path (the fused one would scan the shard alone); in an
@@ -203,7 +193,7 @@ class ConvHalo:
         # x: [B, C, L]; weight: [C, K]
         if self.packed.aside():  # an unsharded call: the model's own conv
             return self.conv(x, weight, bias, activation=activation, seq_idx=seq_idx, **kwargs)
-        _check_stateless((), seq_idx)
+        check_stateless((), seq_idx)
         n, r, L = _group.world_size(self.group), _group.rank(self.group), x.shape[-1]
         reach = weight.shape[-1] - 1
         halo = gather_halo(x.transpose(1, 2), self.group, reach, layout=self.layout)  # [B, T, C]
@@ -252,7 +242,7 @@ class ChunkState:
                 output_final_state=output_final_state, **kwargs
             )  # fmt: skip
         # query, key: [B, L, Hk, dk]; value: [B, L, H, dv]; g: [B, L, H] or [B, L, H, dk]; beta: [B, L, H]
-        _check_stateless(args, initial_state, output_final_state, kwargs.get("cu_seqlens"))
+        check_stateless(args, initial_state, output_final_state, kwargs.get("cu_seqlens"))
         n, r, L = _group.world_size(self.group), _group.rank(self.group), query.shape[1]
         (B, _, H, dv), dk = value.shape, key.shape[-1]
         # [B, H, dk, dv + dk]: zeros beside the identity, so the final state is [B | A]
@@ -337,7 +327,7 @@ class MambaScan:
                 dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, **kwargs
             )  # fmt: skip
         given = [kwargs.pop(k, None) for k in ("return_final_states", "cu_seqlens", "seq_idx")]
-        _check_stateless(args, initial_states, *given)
+        check_stateless(args, initial_states, *given)
         n, r, L = _group.world_size(self.group), _group.rank(self.group), hidden_states.shape[1]
         (batch, _, H, P), N = hidden_states.shape, B.shape[-1]
         discrete = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
@@ -397,7 +387,7 @@ class SelectiveScan:
             return self.scan(
                 u, dt, A, B, C, D, z, delta_bias, delta_softplus, return_last_state, **kwargs
             )  # fmt: skip
-        _check_stateless((), return_last_state, kwargs.get("cu_seqlens"), kwargs.get("seq_idx"))
+        check_stateless((), return_last_state, kwargs.get("cu_seqlens"), kwargs.get("seq_idx"))
         n, r, L = _group.world_size(self.group), _group.rank(self.group), u.shape[-1]
         (batch, channels, _), N = u.shape, A.shape[-1]
         outs, decays, maps, first = [], [], [], self.packed.first_rows()
@@ -455,7 +445,7 @@ class LightningAttention:
         if self.packed.aside():  # an unsharded call: the module's own forward
             forward = type(m).forward
             return forward(m, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
-        _check_stateless((), past_key_values)
+        check_stateless((), past_key_values)
         n, r, (batch, L, _) = _group.world_size(self.group), _group.rank(self.group), hidden_states.shape
         H = m.num_attention_heads
         qkv = m.act_fn(m.qkv_proj(hidden_states))  # [B, L, 3 H D]
@@ -571,7 +561,7 @@ class DiagonalScan:
         # hidden_states, recurrent_gate: [B, L, W]; reset: bool [B, L, 1]
         if self.packed.aside():  # an unsharded call: the module's own scan
             return self.scan(hidden_states, recurrent_gate, reset, recurrent_states, acc_dtype)
-        _check_stateless((), recurrent_states)
+        check_stateless((), recurrent_states)
         n, r, (batch, L, W) = _group.world_size(self.group), _group.rank(self.group), hidden_states.shape
         outs, decays, maps = [], [], []
         for w in ShardPlan.of(self.layout, n, r, L).windows(0):
