@@ -309,3 +309,47 @@ def make_classification_batch(left=False, pad_token_id=0, seed=3):
         attention_mask[row, slice(0, pad) if left else slice(SEQ_LEN - pad, None)] = 0
     input_ids = input_ids.masked_fill(attention_mask == 0, pad_token_id)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": torch.tensor([0, 1, 1])}
+
+
+QWEN_TOKENS = {"vision_start": "<|vision_start|>", "image": "<|image_pad|>", "vision_end": "<|vision_end|>"}
+QWEN_IMAGE = "".join(QWEN_TOKENS.values())  # Qwen2-VL's text for an image
+
+
+def qwen2_vl_processor():
+    """Qwen2-VL's processor for images, built in memory (examples/recipes/trainer_data's tokenizer
+    with Qwen's three image tokens; images resized to 56 x 56 pixels: 4 x 4 patches of 14, 4
+    placeholder tokens once merged 2 x 2). Qwen2VLProcessor itself also needs a video processor,
+    which needs torchvision (not installed here): this one has none (no videos)."""
+    import transformers as tf
+    from transformers.processing_utils import ProcessorMixin
+
+    from examples.recipes import trainer_data
+
+    class Qwen2VLImageProcessor(tf.Qwen2VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = None
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    words = trainer_data.tokenizer()
+    words.add_special_tokens({"additional_special_tokens": list(QWEN_TOKENS.values())})
+    images = tf.Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56)
+    return Qwen2VLImageProcessor(image_processor=images, tokenizer=words)
+
+
+def qwen2_vl(dtype=torch.float64):
+    """A tiny Qwen2-VL (zoo's config: mRoPE sections [1, 1, 2], a vision tower of width 32) whose
+    image tokens are qwen2_vl_processor()'s."""
+    import transformers as tf
+
+    from parity_tests import zoo
+
+    config = zoo.tiny_config("qwen2_vl")
+    config.vision_config.embed_dim = 32
+    config.vision_config.hidden_size = config.get_text_config().hidden_size
+    tokens = qwen2_vl_processor().tokenizer
+    for key, token in QWEN_TOKENS.items():
+        setattr(config, f"{key}_token_id", tokens.convert_tokens_to_ids(token))
+    torch.manual_seed(0)
+    return tf.Qwen2VLForConditionalGeneration(config).to(dtype)

@@ -8,11 +8,14 @@ on padded rows of 13 to 31 tokens: Gemma 3, Mistral under head_tail, LFM2, Qwen3
 under head_tail, Gemma 3 under FSDP2, with LoRA, and streamed from an IterableDataset; SFTTrainer
 with packing: Gemma 3 and GPT-OSS (head_tail) on prompt-completion pairs, the loss on completions
 only, Mistral on text, Gemma 3 with TRL's defaults, bf16 autocast and activation checkpointing, in
-float64 and float32; RewardTrainer on chosen / rejected pairs: Llama, Mistral under head_tail with
-centred rewards, with LoRA, under FSDP2 and with TRL's defaults, every metric it logs compared;
+float64 and float32; SFTTrainer on images and text (TRL's vision collator, prompts with one or two
+images, completion-only loss): LLaVA under head_tail and Qwen2-VL (mRoPE, its processor's type ids),
+the vision tower and projector training too; RewardTrainer on chosen / rejected pairs: Llama,
+Mistral under head_tail with centred rewards, with LoRA, under FSDP2 and with TRL's defaults,
+every metric it logs compared;
 DPOTrainer and KTOTrainer with a separate reference model, with LoRA (reference: the adapter off),
 with precomputed reference log-probs, under FSDP2 and with TRL's defaults, every metric compared),
-the four recipes, resume from a checkpoint (DDP and FSDP2) and the refusals; and
+the five recipes, resume from a checkpoint (DDP and FSDP2) and the refusals; and
 dp 2 x cp 2 (4 processes) against dp 2, DP_CASES and the refusals. The models are float64, but
 transformers rounds their norms, and the logged loss, through float32: the logged loss and eval_loss
 are float32 sums over a step's tokens (at most STEP_TOKENS), taken in another order on each side,
@@ -35,6 +38,7 @@ DP_CASES = (
     "trainer_gemma3",
     "sft_gemma3_packed_completion",
     "sft_gpt_oss_packed_head_tail",
+    "sft_qwen2_vl_images",
     "trainer_gemma3_lora",
     "reward_llama",
     "dpo_mistral_head_tail",
@@ -294,7 +298,7 @@ def test_what_cannot_be_exact_is_refused_on_every_rank(runs, launch):
         )
 
 
-@pytest.mark.parametrize("recipe", ["trainer", "sft", "dpo", "grpo"])
+@pytest.mark.parametrize("recipe", ["trainer", "sft", "dpo", "grpo", "vlm"])
 def test_the_recipes_over_cp_equal_them_without(runs, recipe):
     """The recipes' float32 models: every step in float32, the attention's sums of up to 48 keys
     rounding in another order (2 (2T + D) u32, T = 48, D = 16: 224 u32) on both sides, and the loss's

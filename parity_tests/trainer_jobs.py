@@ -28,7 +28,7 @@ from trl import (
     SFTTrainer,
 )
 
-from examples.recipes import dpo, grpo, sft, trainer, trainer_data
+from examples.recipes import dpo, grpo, sft, trainer, trainer_data, vlm
 from parity_tests import hf_models
 from parity_tests.hf_reference import float64_steps
 from torch_impl import hf
@@ -43,6 +43,11 @@ CASES = {
     "sft_gemma3_packed_completion": ("sft", "gemma3", "contiguous", {}),
     "sft_mistral_packed": ("sft", "mistral", "contiguous", {"text": True}),
     "sft_gpt_oss_packed_head_tail": ("sft", "gpt_oss", "head_tail", {}),
+    # images and text (examples/recipes/vlm.py's rows, TRL's vision collator): LLaVA, its vision
+    # tower and projector training, each rank encoding its share of a batch's images
+    "sft_llava_images_head_tail": ("sft", "llava", "head_tail", {"images": True}),
+    # Qwen2-VL's: mRoPE positions over the whole row, its processor's mm_token_type_ids
+    "sft_qwen2_vl_images": ("sft", "qwen2_vl", "contiguous", {"images": True}),
     # TRL's defaults (bf16 autocast, activation checkpointing) on a float64 model (autocast leaves
     # float64 as it is) and a float32 one; evaluated on long prompts with short completions, so that
     # a CP rank's shard of a row holds no label
@@ -365,6 +370,9 @@ def model_of(kind, name, extra):
     it where the case asks."""
     if kind == "reward":
         model = hf_models.build_head("ForSequenceClassification", name, num_labels=1)
+    elif extra.get("images"):
+        build = {"llava": vlm.llava, "qwen2_vl": hf_models.qwen2_vl}[name]
+        model = build(getattr(torch, extra.get("dtype", "float64")))
     else:
         model = hf_models.build(name, getattr(torch, extra.get("dtype", "float64")))
     model.config.pad_token_id = 0
@@ -447,7 +455,11 @@ def build(kind, name, layout, extra, cp_size, output_dir, **overrides):
         if name == "gpt_oss":  # TRL's default adds the router's loss, per rank not exact: refused
             overrides = {"router_aux_loss_coef": 0.0} | overrides
         args = sft.sft_config(output_dir, **overrides)
-        if extra.get("text"):  # language modelling on whole rows, packed
+        if extra.get("images"):  # prompts with images, completions, padded (TRL packs no images)
+            args = vlm.vlm_config(output_dir, **overrides)
+            image = hf_models.QWEN_IMAGE if name == "qwen2_vl" else vlm.IMAGE
+            data = dict(train_dataset=vlm.rows(48, 0, image), eval_dataset=vlm.rows(8, 1, image))
+        elif extra.get("text"):  # language modelling on whole rows, packed
             data = dict(
                 train_dataset=Dataset.from_dict({"text": trainer_data.sentences(96, 3, 20, seed=0)}),
                 eval_dataset=Dataset.from_dict({"text": trainer_data.sentences(16, 3, 20, seed=1)}),
@@ -460,6 +472,8 @@ def build(kind, name, layout, extra, cp_size, output_dir, **overrides):
                 {"prompt": prompts, "completion": [" " + c for c in completions]}
             )
         data["processing_class"] = trainer_data.tokenizer()
+        if extra.get("images"):
+            data["processing_class"] = {"qwen2_vl": hf_models.qwen2_vl_processor}.get(name, vlm.processor)()
     if wrapped_by_trl:
         data["peft_config"] = lora_config(kind)
         torch.manual_seed(0)  # as model_of draws A
@@ -604,9 +618,7 @@ def main(argv=None):
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--resume", action="store_true")
     p.add_argument("--refusals", action="store_true")
-    p.add_argument(
-        "--recipes", action="store_true", help="also examples/recipes/trainer.py, sft.py, dpo.py and grpo.py"
-    )
+    p.add_argument("--recipes", action="store_true", help="also the recipes trainer, sft, dpo, grpo and vlm")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -615,7 +627,7 @@ def main(argv=None):
     for name in args.cases.split(",") if args.cases else ():
         results[name] = run(name, args.cp_size, os.path.join(workdir, name))
     if args.recipes:  # as docs/trainer.md runs them (float32 models), with or without CP
-        for recipe in (trainer, sft, dpo, grpo):
+        for recipe in (trainer, sft, dpo, grpo, vlm):
             out = os.path.join(workdir, recipe.__name__.rsplit(".", 1)[1])
             results[recipe.__name__] = recipe.main(["--cp-size", str(args.cp_size), "--output-dir", out])
     if args.resume:

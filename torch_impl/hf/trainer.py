@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 import torch.nn.functional as F
 
-from torch_impl.hf import rl, whole_rows
+from torch_impl.hf import media, rl, whole_rows
 from torch_impl.hf.inputs import BATCH_KEYS, IGNORE_INDEX, TYPE_KEYS, shard_batch
 from torch_impl.hf.parallelize import checkpoint_kwargs, parallelize
 from torch_impl.layout import check as check_layout
@@ -354,9 +354,11 @@ class ContextParallelMixin:
         """This rank's model inputs from the trainer's global batch: TRL's flash-attention keys
         dropped (position_ids carry the documents), the sequence padded at its end to a multiple
         of cp (2 cp for head_tail), then `hf.shard_batch` without its count (the trainer's own,
-        over all replicas, is passed)."""
+        over all replicas, is passed). A vision-language collator's images and videos go to
+        `hf.shard_batch` as they are (every rank's, torch_impl.hf.media)."""
         inputs = {key: value for key, value in inputs.items() if key not in DROPPED_KEYS}
         batch = {key: inputs.pop(key) for key in BATCH_KEYS + TYPE_KEYS if key in inputs}
+        whole = {key: inputs.pop(key) for key in media.MEDIA_KEYS if key in inputs}  # images, videos
         S = batch["input_ids"].shape[1]
         multiple = self.cp_size * (2 if self.cp_layout == "head_tail" else 1)
         pad = -S % multiple
@@ -369,7 +371,7 @@ class ContextParallelMixin:
                 **dict.fromkeys(TYPE_KEYS, 0),
             }
             batch = {key: F.pad(value, (0, pad), value=fill[key]) for key, value in batch.items()}
-        local = shard_batch(batch, self.cp_group, layout=self.cp_layout)
+        local = shard_batch(batch | whole, self.cp_group, layout=self.cp_layout)
         local.pop("num_items_in_batch", None)
         return {**inputs, **local}
 
