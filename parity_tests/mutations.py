@@ -338,6 +338,20 @@ MUTATIONS += [
         "query = query / local[:, None] * local[:, None]",
         ("parity_tests/test_models.py", "-k", "family_equals and llama4"),
     ),
+    Mutation(  # Qwen4's QSA blocks pooled over every earlier key, padding and other documents included
+        "qsa_blocks_over_every_earlier_key",
+        "torch_impl/hf/indexed.py",
+        "seen = context.visible(queries[None, :, None], key_rows[None, None, :cut])",
+        "seen = key_rows[None, None, :cut] <= queries[None, :, None]",
+        ("parity_tests/test_models.py", "-k", "family_equals and qwen4"),
+    ),
+    Mutation(  # Qwen4's QSA indexer given only the rank's own keys: blocks of the earlier ranks lost
+        "qsa_indexer_sees_only_its_own_keys",
+        "torch_impl/hf/indexed.py",
+        "keys = context.prefix(own.computed)  # [B, T, Di]",
+        "keys = torch.nn.functional.pad(own.computed, (0, 0, len(context.key_rows) - L, 0))  # [B, T, Di]",
+        ("parity_tests/test_models.py", "-k", "family_equals and qwen4"),
+    ),
     Mutation(  # HY-V4's sinks dropped by the sparse attention (no gradient, other weights)
         "sparse_mla_drops_the_sinks",
         "torch_impl/hf/indexed.py",

@@ -26,6 +26,7 @@ QUICK = {  # family: (what it exercises, its verdict)
     "deepseek_v3": ("MLA: value heads narrower than the query and key heads", "exact"),
     "deepseek_v32": ("DeepSeek Sparse Attention", "exact"),
     "hy_v4": ("DeepSeek Sparse Attention with sinks", "exact"),
+    "qwen4_exp_text": ("Qwen4's QSA: top-k blocks of pooled keys, beside Gated DeltaNet", "exact"),
     "opt": ("a causal LM calling its decoder directly; positions counting real tokens", "exact"),
     "roberta": ("positions from the padding index and the pad tokens", "exact"),
     "gemma3": ("a multimodal model given text", "exact"),
@@ -113,14 +114,15 @@ STATE_SPACE = (
     "recurrent_gemma",
     "xlstm",
     "zaya",
+    "qwen4_exp_text",
 )
 
 
 @pytest.mark.parametrize("family", STATE_SPACE)
 def test_state_space_families_on_four_ranks_with_checkpointing(pool, family):
-    """The Mamba2, Mamba and lightning-attention families on 4 ranks (8 tokens a rank; head_tail:
-    chunks of 4, so a state crosses three ranks), in train mode with activation checkpointing,
-    every sweep case: exact."""
+    """The Mamba2, Mamba and lightning-attention families (and Qwen4: its QSA blocks span ranks)
+    on 4 ranks (8 tokens a rank; head_tail: chunks of 4, so a state crosses three ranks), in train
+    mode with activation checkpointing, every sweep case: exact."""
     for case in zoo.CASES:
         ranks = pool.run(("first", 4), zoo_cases.compare, family, case, True, True, timeout=120)[0]
         for result in ranks:

@@ -38,7 +38,6 @@ DP_CASES = (
     "trainer_gemma3",
     "sft_gemma3_packed_completion",
     "sft_gpt_oss_packed_head_tail",
-    "sft_qwen2_vl_images",
     "trainer_gemma3_lora",
     "reward_llama",
     "dpo_mistral_head_tail",

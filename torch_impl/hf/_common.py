@@ -10,7 +10,8 @@ import torch
 from torch_impl.layout import Documents, ShardPlan
 
 IMPLEMENTATION = "cp_transport"
-INDEXED = "indexed_attention"  # DeepSeek Sparse Attention (DeepSeek V3.2, GLM-5): MLA + an indexer's top-k
+INDEXED = "indexed_attention"  # an indexer's top-k: DeepSeek Sparse Attention (MLA), Qwen4's QSA
+LINEAR = "linear_attention"  # the layer type of the recurrences torch_impl.hf.recurrent runs
 
 
 class Context(NamedTuple):
@@ -80,7 +81,7 @@ class Arguments:
         """(args, kwargs) with the named arguments set to new values, where they were passed."""
         args, kwargs = list(args), dict(kwargs)
         for name, value in values.items():
-            i = self.names.index(name)
+            i = self.names.index(name) if name in self.names else len(args)  # else one of its **kwargs
             if i < len(args):
                 args[i] = value
             else:

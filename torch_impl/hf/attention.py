@@ -31,7 +31,7 @@ from transformers.masking_utils import (
 from torch_impl.attention import causal_attention
 from torch_impl.halo import gather_halo
 from torch_impl.hf._common import IMPLEMENTATION, RUNNING, Aside, Context
-from torch_impl.hf.indexed import IndexedContext, indexed_attention
+from torch_impl.hf.indexed import IndexedContext, Selection, indexed_attention, qsa_attention
 from torch_impl.layout import Window
 from torch_impl.sequence import gather_sequence
 
@@ -264,7 +264,7 @@ def _setup(module):
 def check_call(module, attention_mask):
     """The setup `parallelize` set on the module, and the mask this implementation's mask function made."""
     _setup(module)
-    if not isinstance(attention_mask, (LocalMask, IndexedContext)):
+    if not isinstance(attention_mask, (LocalMask, IndexedContext, Selection)):
         raise ValueError(
             f"`{IMPLEMENTATION}` needs the mask its mask function made (the model's own create_*_mask), "
             f"got {type(attention_mask).__name__}; custom 4-D masks cannot be split across CP ranks"
@@ -286,6 +286,8 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     if isinstance(attention_mask, IndexedContext):
         check_fused_kwargs(module, kwargs)
         return indexed_attention(module, query, key, value, attention_mask, **kwargs)
+    if isinstance(attention_mask, Selection):  # Qwen4's QSA: its indexer's picks
+        return qsa_attention(module, query, key, value, attention_mask, **kwargs)
     setup, shard = module.context_parallel, attention_mask.context.shard
     if setup.query_scale is not None:  # scaled by local rows: rescaled to the global ones
         rows = shard.rows(query.device)  # [L]

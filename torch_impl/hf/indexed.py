@@ -1,9 +1,15 @@
-"""DeepSeek Sparse Attention layers (`indexed_attention`: DeepSeek V3.2, GLM-5) under CP.
+"""Indexed attention layers (`indexed_attention`) under CP: DeepSeek Sparse Attention (DeepSeek
+V3.2, GLM-5) and Qwen4's QSA.
 
 The causal prefix's indexer keys and MLA latents arrive point to point (`IndexedContext.prefix`);
 the model's own indexer scores them one query block at a time (`BlockedIndexer`), and the attention
 runs in absorbed form over the latents each query picked (`AbsorbedMLA`, `indexed_attention`).
+Qwen4's QSA (no MLA): its indexer pools the keys a query sees into blocks and picks the top-k
+blocks; the model's own indexer runs per local chunk over the prefix's indexer keys
+(`QSAIndexer`), and the layer attends over the prefix's keys on that selection (`qsa_attention`).
 """
+
+from typing import NamedTuple
 
 import torch
 
@@ -57,8 +63,17 @@ class IndexedContext:
         keep = [position[row] for row in rows]
         return torch.tensor(rows), None if keep == list(range(len(keep))) else torch.tensor(keep)
 
+    dtype = torch.bool  # Qwen4's attention reads its mask's dtype, then ands its selection into it
+
     def __getitem__(self, index):
         return self
+
+    def __and__(self, selection):
+        """Qwen4's `attention_mask & selected_token_mask`: QSAIndexer's Selection, which already
+        holds only keys the query sees."""
+        if not isinstance(selection, Selection):
+            raise TypeError(f"an IndexedContext combines with a Selection, not {type(selection).__name__}")
+        return selection
 
     def visible(self, queries, keys):
         """bool [B or 1, nq, k]: query global rows `queries` [1, nq, 1] against key rows `keys`
@@ -185,3 +200,69 @@ def indexed_attention(module, query, key, value, context, indices=None, scaling=
         query, prefix, weight, picks, valid, nope_dim=nope_dim, scale=scaling, sinks=s_aux
     )
     return out, None  # [B, L, H, dv]
+
+
+class Selection(NamedTuple):
+    """What QSAIndexer returns for this rank's queries: the forward's IndexedContext and, per
+    query, the keys it attends over (bool [B, 1, L, T] against `context.key_rows`)."""
+
+    context: IndexedContext
+    mask: torch.Tensor
+
+
+class QSAIndexer:
+    """Mixed into the class of Qwen4's QSA indexer, per instance, like BlockedIndexer. Its forward
+    runs the model's own indexer: once over this rank's rows to compute their indexer keys
+    (against a single key), then, after the prefix of those keys and of the rotary tables arrives
+    (`IndexedContext.prefix`, no autograd: the selection is not differentiated), once per local
+    chunk over the keys before the chunk's end, with the mask of the keys each query sees: the
+    indexer pools those keys into blocks in the same order as one process and picks the same ones.
+    Returns the Selection (its queries' picks among the prefix's keys)."""
+
+    @torch.no_grad()
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None):
+        if stepping_aside():  # an unsharded call: the model's own indexer
+            return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values)
+        context, (B, L, _) = attention_mask, hidden_states.shape
+        own = _Keys()
+        ones = hidden_states.new_ones((B, 1, L, 1), dtype=torch.bool)  # a mask over that single key
+        super().forward(hidden_states, position_embeddings, ones, own)
+        keys = context.prefix(own.computed)  # [B, T, Di]
+        tables = [context.prefix(t.expand(B, -1, -1).contiguous()) for t in position_embeddings]  # [B, T, d]
+        key_rows, query_rows = context.key_rows.to(keys.device), context.rows.to(keys.device)
+        T, picks = len(key_rows), []
+        for w in context.shard.windows(None):
+            cut = int(torch.searchsorted(key_rows, w.end))  # the keys before the chunk's end: its own last
+            queries = query_rows[w.queries]  # [C]
+            seen = context.visible(queries[None, :, None], key_rows[None, None, :cut]).expand(B, -1, -1)
+            picked = super().forward(
+                hidden_states[:, w.queries],
+                tuple(t[:, :cut] for t in tables),
+                seen[:, None],  # [B, 1, C, cut]
+                _Keys(keys[:, :cut]),
+            )  # [B, 1, C, cut]
+            picks.append(torch.nn.functional.pad(picked, (0, T - cut)))  # [B, 1, C, T]
+        return Selection(context, torch.cat(picks, dim=2))  # [B, 1, L, T]
+
+
+def qsa_attention(module, query, key, value, selection, **kwargs):
+    """A QSA layer on rank r: query [B, H, L, D] over the keys its indexer selected. key, value
+    [B, Hkv, L, D] arrive for the prefix with autograd (`IndexedContext.prefix`: their gradients
+    go back to their owners), then the model's own attention function on the selection as its
+    mask ([B, 1, L, T], in the form its mask function makes). Returns ([B, L, H, D], weights)."""
+    context, picked = selection.context, selection.mask[:, 0]  # [B, L, T]
+    D = key.shape[-1]
+    both = context.prefix(torch.cat([key, value], dim=-1).transpose(1, 2))  # [B, T, Hkv, D + Dv]
+    key, value = (t.transpose(1, 2) for t in both.split([D, both.shape[-1] - D], dim=-1))  # [B, Hkv, T, .]
+    setup, (B, _, L, _), T = module.context_parallel, query.shape, key.shape[2]
+    mask = setup.make_mask(
+        batch_size=B,
+        q_length=L,
+        kv_length=T,
+        mask_function=lambda b, h, q, kv: picked[b, q, kv],
+        allow_is_causal_skip=False,
+        dtype=query.dtype,
+        device=query.device,
+        config=module.config,
+    )  # [B, 1, L, T]
+    return setup.attend(module, query, key, value, mask, **kwargs)

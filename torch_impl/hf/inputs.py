@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from torch_impl import _group, validation
 from torch_impl.hf import media
-from torch_impl.hf._common import IMPLEMENTATION, INDEXED, RUNNING, Arguments, Aside, Context
+from torch_impl.hf._common import IMPLEMENTATION, INDEXED, LINEAR, RUNNING, Arguments, Aside, Context
 from torch_impl.hf.documents import creates_cache as _creates_cache
 from torch_impl.hf.indexed import IndexedContext
 from torch_impl.layout import Documents, ShardPlan, packed_ids, reach_of
@@ -133,7 +133,8 @@ class ModelInputs:
       masks it makes. Layers then fetch only their documents' keys; chunked-attention layers
       (Llama 4) likewise their attention chunk's.
     - indexed_attention models get one `IndexedContext` as their mask, with the padding mask
-      gathered once per forward ([B, S]) and the documents, and no cache.
+      gathered once per forward ([B, S]) and the documents, and no cache; their linear-attention
+      layers (Qwen4's) the rank's own rows of the attention_mask, as one process gives its.
     - refused: a KV cache that already holds tokens (each rank's cache would hold its own keys),
       and any input besides a text batch's (pixel values, audio features, token type ids, ...).
     - a call whose kwargs `shard_batch` did not make (no `cp_layout`: the whole sequence on every
@@ -243,7 +244,8 @@ class ModelInputs:
             return self.arguments.replace(
                 args,
                 kwargs,
-                attention_mask={INDEXED: context},
+                # linear-attention layers beside (Qwen4's) mask their own rows' padding, as one process
+                attention_mask={INDEXED: context, LINEAR: padding},
                 past_key_values=None,
                 position_ids=positions,
                 use_cache=False,

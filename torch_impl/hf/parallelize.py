@@ -16,12 +16,12 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from torch_impl import _group
-from torch_impl.hf._common import IMPLEMENTATION, INDEXED, RUNNING, mix
+from torch_impl.hf._common import IMPLEMENTATION, INDEXED, LINEAR, RUNNING, mix
 from torch_impl.hf.attention import AttentionSetup, temperature_scale
 from torch_impl.hf.cca import is_cca
 from torch_impl.hf.documents import OneRankDocuments, isolates_documents
 from torch_impl.hf.heads import apply_head, check_head
-from torch_impl.hf.indexed import AbsorbedMLA, BlockedIndexer
+from torch_impl.hf.indexed import AbsorbedMLA, BlockedIndexer, QSAIndexer
 from torch_impl.hf.inputs import MaskCountPositions, ModelInputs, PaddingIndexPositions, Positions
 from torch_impl.hf.mlstm import check_mlstm, is_mlstm
 from torch_impl.hf.recurrent import CONV, KERNELS, apply_recurrent, is_known, is_lightning, is_short_conv
@@ -33,7 +33,7 @@ SUPPORTED_LAYER_TYPES = (
     "chunked_attention",
     "conv",
     INDEXED,
-    "linear_attention",  # Gated DeltaNet, KDA, Mamba2, Mamba, MiniMax's lightning (torch_impl.hf.recurrent)
+    LINEAR,  # Gated DeltaNet, KDA, Mamba2, Mamba, MiniMax's lightning (torch_impl.hf.recurrent)
     "mlp",  # Nemotron-H's layers without a token mixer
     "moe",
 )
@@ -87,8 +87,9 @@ def _check_configs(model, towers, recurrent=False):
         unsupported = sorted(layer_types - set(SUPPORTED_LAYER_TYPES) - ({HYBRID} if recurrent else set()))
         if unsupported:
             raise _refuse(name, module, _unsupported(unsupported))
-        if INDEXED in layer_types and layer_types != {INDEXED}:
-            raise _refuse(name, module, f"mixes {INDEXED!r} layers with {sorted(layer_types - {INDEXED})}")
+        if INDEXED in layer_types and not layer_types <= {INDEXED, LINEAR}:  # (Qwen4's: linear, QSA)
+            others = sorted(layer_types - {INDEXED, LINEAR})
+            raise _refuse(name, module, f"mixes {INDEXED!r} layers with {others}")
 
 
 def _layer_type(module):
@@ -136,12 +137,28 @@ def _kind(name, module, family=""):
     return None
 
 
+def is_qsa(module):
+    """Qwen4's QSA layer: no MLA, an indexer that pools the keys into blocks of `compress_ratio`
+    and keeps `token_budget` tokens, with the forward QSAIndexer calls."""
+    indexer = getattr(module, "indexer", None)
+    if callable(getattr(module, "expand_kv", None)) or indexer is None:
+        return False
+    names = list(inspect.signature(indexer.forward).parameters)
+    wanted = ["hidden_states", "position_embeddings", "attention_mask", "past_key_values"]
+    return names == wanted and hasattr(indexer, "compress_ratio") and hasattr(indexer, "token_budget")
+
+
 def _check_indexed(name, module):
     """An indexed_attention layer is DeepSeek V3.2's / GLM-5's: MLA latents expanded by `expand_kv`
     through a `kv_b_proj` without bias (absorbed exactly), an indexer (or, GLM-5's shared layers,
-    the previous layer's indices) with the forward the adapter calls, no attention dropout."""
+    the previous layer's indices) with the forward the adapter calls, no attention dropout; or
+    Qwen4's QSA (`is_qsa`)."""
+    if is_qsa(module):
+        return
     if not callable(getattr(module, "expand_kv", None)) or not hasattr(module, "indexer"):
-        raise _refuse(name, module, f"is an {INDEXED!r} layer without MLA's expand_kv and an indexer")
+        raise _refuse(
+            name, module, f"is an {INDEXED!r} layer without MLA's expand_kv and an indexer, nor Qwen4's QSA"
+        )
     projection = getattr(module, "kv_b_proj", None)
     nope_dim = getattr(module, "qk_nope_head_dim", None)
     if not isinstance(projection, nn.Linear) or projection.bias is not None or nope_dim is None:
@@ -249,7 +266,10 @@ def apply_attention(decoder, attentions):
         dropout = getattr(module.config, "attention_dropout", 0.0)
         if fallback is None and dropout > 0:  # the fused math applies no dropout
             paths[kind] += f"; in train mode a dense [L, T] mask (attention dropout {dropout})"
-        if kind == INDEXED:
+        if kind == INDEXED and is_qsa(module):
+            paths[kind] = "QSA indexer per chunk over the causal prefix's keys; its picks a dense [L, T] mask"
+            mix(module.indexer, QSAIndexer)
+        elif kind == INDEXED:
             paths[kind] = "blocked indexer, absorbed sparse attention over the causal prefix's latents"
             mix(module, AbsorbedMLA)
             if module.indexer is not None:
