@@ -352,6 +352,13 @@ MUTATIONS += [
         "keys = torch.nn.functional.pad(own.computed, (0, 0, len(context.key_rows) - L, 0))  # [B, T, Di]",
         ("parity_tests/test_models.py", "-k", "family_equals and qwen4"),
     ),
+    Mutation(  # dots3's sliding layers given the causal prefix instead of their window
+        "indexed_models_sliding_layers_see_the_prefix",
+        "torch_impl/hf/inputs.py",
+        "masks[SLIDING] = make_mask(context, padding, self.window, context.documents)",
+        "masks[SLIDING] = make_mask(context, padding, None, context.documents)",
+        ("parity_tests/test_models.py", "-k", "family_equals and dots3"),
+    ),
     Mutation(  # HY-V4's sinks dropped by the sparse attention (no gradient, other weights)
         "sparse_mla_drops_the_sinks",
         "torch_impl/hf/indexed.py",

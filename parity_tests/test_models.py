@@ -27,6 +27,7 @@ QUICK = {  # family: (what it exercises, its verdict)
     "deepseek_v32": ("DeepSeek Sparse Attention", "exact"),
     "hy_v4": ("DeepSeek Sparse Attention with sinks", "exact"),
     "qwen4_exp_text": ("Qwen4's QSA: top-k blocks of pooled keys, beside Gated DeltaNet", "exact"),
+    "dots3_note_text": ("DeepSeek Sparse Attention beside sliding MLA layers", "exact"),
     "opt": ("a causal LM calling its decoder directly; positions counting real tokens", "exact"),
     "roberta": ("positions from the padding index and the pad tokens", "exact"),
     "gemma3": ("a multimodal model given text", "exact"),

@@ -9,10 +9,10 @@ under head_tail, Gemma 3 under FSDP2, with LoRA, and streamed from an IterableDa
 with packing: Gemma 3 and GPT-OSS (head_tail) on prompt-completion pairs, the loss on completions
 only, Mistral on text, Gemma 3 with TRL's defaults, bf16 autocast and activation checkpointing, in
 float64 and float32; SFTTrainer on images and text (TRL's vision collator, prompts with one or two
-images, completion-only loss): LLaVA under head_tail and Qwen2-VL (mRoPE, its processor's type ids),
-the vision tower and projector training too; RewardTrainer on chosen / rejected pairs: Llama,
-Mistral under head_tail with centred rewards, with LoRA, under FSDP2 and with TRL's defaults,
-every metric it logs compared;
+images, completion-only loss): Qwen2-VL (mRoPE, its processor's type ids; LLaVA under head_tail in
+the slow matrix), the vision tower and projector training too; RewardTrainer on chosen /
+rejected pairs: Llama, Mistral under head_tail with centred rewards, with LoRA, under FSDP2 and
+with TRL's defaults, every metric it logs compared;
 DPOTrainer and KTOTrainer with a separate reference model, with LoRA (reference: the adapter off),
 with precomputed reference log-probs, under FSDP2 and with TRL's defaults, every metric compared),
 the five recipes, resume from a checkpoint (DDP and FSDP2) and the refusals; and
@@ -103,7 +103,8 @@ def matrix_runs(tmp_path_factory):
 @pytest.mark.parametrize("case", trainer_jobs.MATRIX)
 def test_every_loss_type_over_cp_equals_it_without(matrix_runs, case):
     """TRL's own loss on whole rows under CP: every DPO loss type and f-divergence, KTO's other
-    loss type, every GRPO loss type at both importance-sampling levels, to the bounds above."""
+    loss type, every GRPO loss type at both importance-sampling levels; SFT on LLaVA with images
+    (head_tail); to the bounds above."""
     compare(matrix_runs["cp2"][case], matrix_runs["one"][case], case)
 
 

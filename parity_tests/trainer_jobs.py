@@ -43,10 +43,9 @@ CASES = {
     "sft_gemma3_packed_completion": ("sft", "gemma3", "contiguous", {}),
     "sft_mistral_packed": ("sft", "mistral", "contiguous", {"text": True}),
     "sft_gpt_oss_packed_head_tail": ("sft", "gpt_oss", "head_tail", {}),
-    # images and text (examples/recipes/vlm.py's rows, TRL's vision collator): LLaVA, its vision
-    # tower and projector training, each rank encoding its share of a batch's images
-    "sft_llava_images_head_tail": ("sft", "llava", "head_tail", {"images": True}),
-    # Qwen2-VL's: mRoPE positions over the whole row, its processor's mm_token_type_ids
+    # images and text (examples/recipes/vlm.py's rows, TRL's vision collator): Qwen2-VL, its vision
+    # tower and projector training, each rank encoding its share of a batch's images; mRoPE
+    # positions over the whole row, its processor's mm_token_type_ids (LLaVA: MATRIX, the recipe)
     "sft_qwen2_vl_images": ("sft", "qwen2_vl", "contiguous", {"images": True}),
     # TRL's defaults (bf16 autocast, activation checkpointing) on a float64 model (autocast leaves
     # float64 as it is) and a float32 one; evaluated on long prompts with short completions, so that
@@ -238,6 +237,7 @@ MATRIX = {
         )
     },
 }
+MATRIX["sft_llava_images_head_tail"] = ("sft", "llava", "head_tail", {"images": True})
 EVERY_CASE = CASES | MATRIX
 STREAMED = {"accelerator_config": {"dispatch_batches": False}}
 # GRPO and RLOO: 2 prompts a generation (a micro-batch: one prompt's 4 completions), TRAINING's

@@ -430,7 +430,12 @@ def width(config):
 
 
 def heads(config):
-    return getattr(_text(config), "num_attention_heads", None) or 1
+    """The text model's attention heads (the most of any layer, where layers differ: dots3's)."""
+    text = _text(config)
+    layers = getattr(text, "per_layer_config", None)
+    if layers:
+        return max(getattr(layer, "num_attention_heads", None) or 1 for layer in layers)
+    return getattr(text, "num_attention_heads", None) or 1
 
 
 def describe(model_type, task="causal_lm"):

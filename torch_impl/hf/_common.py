@@ -12,6 +12,7 @@ from torch_impl.layout import Documents, ShardPlan
 IMPLEMENTATION = "cp_transport"
 INDEXED = "indexed_attention"  # an indexer's top-k: DeepSeek Sparse Attention (MLA), Qwen4's QSA
 LINEAR = "linear_attention"  # the layer type of the recurrences torch_impl.hf.recurrent runs
+SLIDING = "sliding_attention"
 
 
 class Context(NamedTuple):

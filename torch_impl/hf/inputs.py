@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from torch_impl import _group, validation
 from torch_impl.hf import media
-from torch_impl.hf._common import IMPLEMENTATION, INDEXED, LINEAR, RUNNING, Arguments, Aside, Context
+from torch_impl.hf._common import IMPLEMENTATION, INDEXED, LINEAR, RUNNING, SLIDING, Arguments, Aside, Context
+from torch_impl.hf.attention import make_mask
 from torch_impl.hf.documents import creates_cache as _creates_cache
 from torch_impl.hf.indexed import IndexedContext
 from torch_impl.layout import Documents, ShardPlan, packed_ids, reach_of
@@ -134,7 +135,8 @@ class ModelInputs:
       (Llama 4) likewise their attention chunk's.
     - indexed_attention models get one `IndexedContext` as their mask, with the padding mask
       gathered once per forward ([B, S]) and the documents, and no cache; their linear-attention
-      layers (Qwen4's) the rank's own rows of the attention_mask, as one process gives its.
+      layers (Qwen4's) the rank's own rows of the attention_mask, as one process gives its, and
+      their sliding layers (dots3's) the LocalMask of their window.
     - refused: a KV cache that already holds tokens (each rank's cache would hold its own keys),
       and any input besides a text batch's (pixel values, audio features, token type ids, ...).
     - a call whose kwargs `shard_batch` did not make (no `cp_layout`: the whole sequence on every
@@ -157,6 +159,7 @@ class ModelInputs:
         self.chunk = chunk  # chunked attention's chunk size (Llama 4), or None
         self.isolates = isolates  # whether the model isolates packed documents (None: cannot tell)
         self.kinds = kinds  # the attention layer types the model has (None: not listed)
+        self.window = getattr(module.config.get_text_config(), "sliding_window", None)  # its sliding layers'
         self.outer = []  # per forward this hook prepared, innermost last: the Context it replaced
 
     def __call__(self, module, args, kwargs):
@@ -240,12 +243,15 @@ class ModelInputs:
         self.outer.append(RUNNING.context)
         RUNNING.context = context
         if self.indexed:
-            context = IndexedContext(context)
+            # the layers beside: linear attention (Qwen4's) masks its own rows' padding, as one
+            # process; sliding layers (dots3's) take the mask this implementation's function makes
+            masks = {INDEXED: IndexedContext(context), LINEAR: padding}
+            if self.kinds is not None and SLIDING in self.kinds:
+                masks[SLIDING] = make_mask(context, padding, self.window, context.documents)
             return self.arguments.replace(
                 args,
                 kwargs,
-                # linear-attention layers beside (Qwen4's) mask their own rows' padding, as one process
-                attention_mask={INDEXED: context, LINEAR: padding},
+                attention_mask=masks,
                 past_key_values=None,
                 position_ids=positions,
                 use_cache=False,

@@ -16,7 +16,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from torch_impl import _group
-from torch_impl.hf._common import IMPLEMENTATION, INDEXED, LINEAR, RUNNING, mix
+from torch_impl.hf._common import IMPLEMENTATION, INDEXED, LINEAR, RUNNING, SLIDING, mix
 from torch_impl.hf.attention import AttentionSetup, temperature_scale
 from torch_impl.hf.cca import is_cca
 from torch_impl.hf.documents import OneRankDocuments, isolates_documents
@@ -87,8 +87,8 @@ def _check_configs(model, towers, recurrent=False):
         unsupported = sorted(layer_types - set(SUPPORTED_LAYER_TYPES) - ({HYBRID} if recurrent else set()))
         if unsupported:
             raise _refuse(name, module, _unsupported(unsupported))
-        if INDEXED in layer_types and not layer_types <= {INDEXED, LINEAR}:  # (Qwen4's: linear, QSA)
-            others = sorted(layer_types - {INDEXED, LINEAR})
+        if INDEXED in layer_types and not layer_types <= {INDEXED, LINEAR, SLIDING}:  # Qwen4's, dots3's
+            others = sorted(layer_types - {INDEXED, LINEAR, SLIDING})
             raise _refuse(name, module, f"mixes {INDEXED!r} layers with {others}")
 
 
