@@ -5,10 +5,10 @@
 Rows of one or two images (16 x 16 pixels of noise, 4 placeholder tokens each) among 3 to 9
 words, each followed by a completion of 2 to 12 words, the loss on the completions only. TRL's
 vision collator (`DataCollatorForVisionLanguageModeling`) runs the processor on each batch: the
-images become `pixel_values`, every `<image>` its 4 placeholders, the prompts are padded on the
-left. Under CP each rank gets the replica's whole batch, encodes about 1/n of its images and
-gathers the features (torch_impl.hf.media), and runs its shard of each row; an image's
-placeholders may straddle the shards. The vision tower and the projector train with the language
+images become `pixel_values`, every `<image>` its 4 placeholders, each row's prompt and completion
+joined and padded on the right. Under CP each rank gets the replica's whole batch, encodes about
+1/n of its images and gathers the features (torch_impl.hf.media), and runs its shard of each row;
+an image's placeholders may straddle the shards. The vision tower and the projector train with the language
 model. Prints each step's `loss` and `grad_norm` and the `eval_loss`. `--cp-size 1` runs the plain
 SFTTrainer (the tests compare the two).
 """

@@ -72,7 +72,9 @@ class Arguments:
     """A forward's arguments by name, whether passed by position or keyword, for forward pre-hooks."""
 
     def __init__(self, forward):
-        self.names = list(inspect.signature(forward).parameters)
+        parameters = inspect.signature(forward).parameters
+        self.names = list(parameters)
+        self.varkw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
     def get(self, args, kwargs, name):
         i = self.names.index(name) if name in self.names else len(args)
@@ -82,6 +84,8 @@ class Arguments:
         """(args, kwargs) with the named arguments set to new values, where they were passed."""
         args, kwargs = list(args), dict(kwargs)
         for name, value in values.items():
+            if name not in self.names and not self.varkw:
+                raise ValueError(f"torch_impl.hf: the forward takes no argument {name!r}: {self.names}")
             i = self.names.index(name) if name in self.names else len(args)  # else one of its **kwargs
             if i < len(args):
                 args[i] = value

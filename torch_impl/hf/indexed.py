@@ -20,13 +20,15 @@ from torch_impl.sequence import gather_sequence
 
 
 class IndexedContext:
-    """One forward of a DeepSeek Sparse Attention model under CP, on rank r of n (L tokens each).
+    """One forward of an indexed_attention model under CP, on rank r of n (L tokens each).
 
     The base model's pre-hook hands it to the model as its mask (`attention_mask={"indexed_attention":
-    context}`, so the model builds no [L, S] mask). The model slices it like a 4-D mask for its
-    indexer (`[:, 0, :, :]` is the context itself) and passes it to the attention; `visible` states
-    which keys a query sees: earlier or itself, not padding, the same document. It holds no
-    activations, so checkpointed layers recompute exactly what they computed.
+    context}`, so the model builds no [L, S] mask). DeepSeek Sparse Attention slices it like a 4-D
+    mask for its indexer (`[:, 0, :, :]` is the context itself) and passes it to the attention;
+    Qwen4's QSA ands its indexer's Selection into it (`dtype`, `__and__`: the Selection is what the
+    attention gets). `visible` states which keys a query sees: earlier or itself, not padding, the
+    same document. It holds no activations, so checkpointed layers recompute exactly what they
+    computed.
     """
 
     def __init__(self, context):
@@ -213,11 +215,13 @@ class Selection(NamedTuple):
 class QSAIndexer:
     """Mixed into the class of Qwen4's QSA indexer, per instance, like BlockedIndexer. Its forward
     runs the model's own indexer: once over this rank's rows to compute their indexer keys
-    (against a single key), then, after the prefix of those keys and of the rotary tables arrives
-    (`IndexedContext.prefix`, no autograd: the selection is not differentiated), once per local
-    chunk over the keys before the chunk's end, with the mask of the keys each query sees: the
-    indexer pools those keys into blocks in the same order as one process and picks the same ones.
-    Returns the Selection (its queries' picks among the prefix's keys)."""
+    (against a single key: its per-query loop then pools nothing, a small cost beside the second
+    run, and the keys come from the model's own code), then, after the prefix of those keys and of
+    the rotary tables arrives (`IndexedContext.prefix`, no autograd: the selection is not
+    differentiated), once per local chunk over the keys before the chunk's end, with the mask of
+    the keys each query sees: the indexer pools those keys into blocks in the same order as one
+    process and picks the same ones. Returns the Selection (its queries' picks among the prefix's
+    keys)."""
 
     @torch.no_grad()
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None):
@@ -230,19 +234,18 @@ class QSAIndexer:
         keys = context.prefix(own.computed)  # [B, T, Di]
         tables = [context.prefix(t.expand(B, -1, -1).contiguous()) for t in position_embeddings]  # [B, T, d]
         key_rows, query_rows = context.key_rows.to(keys.device), context.rows.to(keys.device)
-        T, picks = len(key_rows), []
+        picks = keys.new_zeros((B, 1, L, len(key_rows)), dtype=torch.bool)  # [B, 1, L, T]
         for w in context.shard.windows(None):
             cut = int(torch.searchsorted(key_rows, w.end))  # the keys before the chunk's end: its own last
             queries = query_rows[w.queries]  # [C]
             seen = context.visible(queries[None, :, None], key_rows[None, None, :cut]).expand(B, -1, -1)
-            picked = super().forward(
+            picks[:, :, w.queries, :cut] = super().forward(
                 hidden_states[:, w.queries],
                 tuple(t[:, :cut] for t in tables),
                 seen[:, None],  # [B, 1, C, cut]
                 _Keys(keys[:, :cut]),
             )  # [B, 1, C, cut]
-            picks.append(torch.nn.functional.pad(picked, (0, T - cut)))  # [B, 1, C, T]
-        return Selection(context, torch.cat(picks, dim=2))  # [B, 1, L, T]
+        return Selection(context, picks)
 
 
 def qsa_attention(module, query, key, value, selection, **kwargs):
@@ -255,6 +258,7 @@ def qsa_attention(module, query, key, value, selection, **kwargs):
     both = context.prefix(torch.cat([key, value], dim=-1).transpose(1, 2))  # [B, T, Hkv, D + Dv]
     key, value = (t.transpose(1, 2) for t in both.split([D, both.shape[-1] - D], dim=-1))  # [B, Hkv, T, .]
     setup, (B, _, L, _), T = module.context_parallel, query.shape, key.shape[2]
+    assert picked.shape[-1] == T, (picked.shape, T)  # the indexer's keys are the attention's
     mask = setup.make_mask(
         batch_size=B,
         q_length=L,

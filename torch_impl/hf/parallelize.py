@@ -138,8 +138,9 @@ def _kind(name, module, family=""):
 
 
 def is_qsa(module):
-    """Qwen4's QSA layer: no MLA, an indexer that pools the keys into blocks of `compress_ratio`
-    and keeps `token_budget` tokens, with the forward QSAIndexer calls."""
+    """Qwen4's QSA layer: no MLA, an indexer that pools the keys a query sees into blocks of
+    `compress_ratio` and keeps the `token_budget // compress_ratio` best blocks and the incomplete
+    last one, with the forward QSAIndexer calls."""
     indexer = getattr(module, "indexer", None)
     if callable(getattr(module, "expand_kv", None)) or indexer is None:
         return False
