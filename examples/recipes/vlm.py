@@ -25,13 +25,8 @@ from trl import SFTTrainer
 
 from examples.recipes import sft, trainer_data
 from examples.recipes.trainer import finish, report
-from torch_impl import hf
 
 IMAGE = "<image>"  # the processor's placeholder: 4 tokens an image (16 x 16 pixels, patches of 8)
-
-
-class CPSFTTrainer(hf.ContextParallelMixin, SFTTrainer):
-    pass
 
 
 def processor():
@@ -109,7 +104,7 @@ def main(argv=None):
     p.add_argument("--output-dir", default="out/recipes/vlm")
     args = p.parse_args(argv)
     cp = {} if args.cp_size == 1 else {"cp_size": args.cp_size}
-    trainer = (SFTTrainer if args.cp_size == 1 else CPSFTTrainer)(
+    trainer = (SFTTrainer if args.cp_size == 1 else sft.CPSFTTrainer)(
         model=llava(),
         args=vlm_config(args.output_dir),
         train_dataset=rows(24, seed=0),
