@@ -194,7 +194,7 @@ def _configs(head_dim=8):
         "t5": lambda: tf.T5ForConditionalGeneration(
             tf.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=1, num_heads=4)
         ),
-        "deepseek_v4": lambda: tf.DeepseekV4ForCausalLM(  # compressed sparse attention
+        "deepseek_v4": lambda: tf.DeepseekV4ForCausalLM(  # compressed attention (exact)
             tf.DeepseekV4Config(
                 vocab_size=VOCAB,
                 hidden_size=32,
@@ -219,7 +219,14 @@ def _configs(head_dim=8):
     # refused: Qwen3.5 (Gated DeltaNet, which the adapter knows) holding a recurrence it does not
     # know, named with the family's prefix (which the check for unknown recurrences reads past)
     configs["qwen3_5_unknown_recurrence"] = lambda: _with_unknown_recurrence(configs["qwen3_5"]())
+    # refused: a compressed layer whose compressor is not DeepSeek V4's (another forward)
+    configs["deepseek_v4_other_compressor"] = lambda: _with_other_compressor(configs["deepseek_v4"]())
     return configs
+
+
+def _with_other_compressor(model):
+    model.model.layers[0].self_attn.compressor = torch.nn.Identity()
+    return model
 
 
 def _with_unknown_recurrence(model):
@@ -244,7 +251,8 @@ REFUSED = {  # model -> what the error names
     "qwen3_5_unknown_recurrence": "model.layers.0.retention (Qwen3_5Retention) carries recurrent state",
     "t5": "encoder.block.0.layer.0.SelfAttention (T5Attention) is bidirectional or cross attention",
     "gemma3_bidirectional": "model.layers.0.self_attn (Gemma3Attention) is bidirectional",
-    "deepseek_v4": "has ['compressed_sparse_attention'] layers, a kind the adapter does not know",
+    "deepseek_v4_other_compressor": "model.layers.0.self_attn (DeepseekV4Attention) is a "
+    "'compressed_sparse_attention' layer without DeepSeek V4's compressor",
 }
 
 

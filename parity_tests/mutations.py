@@ -345,6 +345,20 @@ MUTATIONS += [
         "seen = key_rows[None, None, :cut] <= queries[None, :, None]",
         ("parity_tests/test_models.py", "-k", "family_equals and qwen4"),
     ),
+    Mutation(  # DeepSeek V4: a window crossing the shard edge compressed without the earlier rank's tokens
+        "compressed_window_cut_at_the_shard_edge",
+        "torch_impl/hf/compressed.py",
+        "h = fetched[:, rows]",
+        "h = fetched[:, rows] * (torch.arange(fetched[:, rows].shape[1]) >= w.start - first)[None, :, None]",
+        ("parity_tests/test_models.py", "-k", "family_equals and deepseek_v4"),
+    ),
+    Mutation(  # DeepSeek V4: entries of windows not closed yet (HCA's; CSA's indexer) seen by a query
+        "compressed_entry_seen_before_its_window_closes",
+        "torch_impl/hf/compressed.py",
+        "super().forward(hidden_states, q_residual, position_ids, serving, layer_idx)",
+        "super().forward(hidden_states, q_residual, position_ids + self.compress_rate, serving, layer_idx)",
+        ("parity_tests/test_models.py", "-k", "family_equals and deepseek_v4"),
+    ),
     Mutation(  # Qwen4's QSA indexer given only the rank's own keys: blocks of the earlier ranks lost
         "qsa_indexer_sees_only_its_own_keys",
         "torch_impl/hf/indexed.py",

@@ -28,6 +28,7 @@ QUICK = {  # family: (what it exercises, its verdict)
     "hy_v4": ("DeepSeek Sparse Attention with sinks", "exact"),
     "qwen4_exp_text": ("Qwen4's QSA: top-k blocks of pooled keys, beside Gated DeltaNet", "exact"),
     "dots3_note_text": ("DeepSeek Sparse Attention beside sliding MLA layers", "exact"),
+    "deepseek_v4": ("compressed entries (CSA's indexer, HCA) beside a sliding window, with sinks", "exact"),
     "opt": ("a causal LM calling its decoder directly; positions counting real tokens", "exact"),
     "roberta": ("positions from the padding index and the pad tokens", "exact"),
     "gemma3": ("a multimodal model given text", "exact"),
@@ -116,12 +117,14 @@ STATE_SPACE = (
     "xlstm",
     "zaya",
     "qwen4_exp_text",
+    "deepseek_v4",
 )
 
 
 @pytest.mark.parametrize("family", STATE_SPACE)
 def test_state_space_families_on_four_ranks_with_checkpointing(pool, family):
-    """The Mamba2, Mamba and lightning-attention families (and Qwen4: its QSA blocks span ranks)
+    """The Mamba2, Mamba and lightning-attention families (and Qwen4, DeepSeek V4: QSA's blocks and
+    the compressed windows span ranks)
     on 4 ranks (8 tokens a rank; head_tail: chunks of 4, so a state crosses three ranks), in train
     mode with activation checkpointing, every sweep case: exact."""
     for case in zoo.CASES:

@@ -296,7 +296,9 @@ FAMILY = {
         partial_rotary_factor=0.5,
         o_lora_rank=16,
         o_groups=2,
-        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        # windows of 3 and 6 tokens: some cross the shard edges (16; head_tail's 8, 24)
+        compress_rates={"compressed_sparse_attention": 3, "heavily_compressed_attention": 6},
+        layer_types=["sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention"],
     ),
     # the last num_kv_shared_layers layers reuse the kv of the last earlier layer of their type
     "gemma3n_text": dict(

@@ -31,6 +31,7 @@ from transformers.masking_utils import (
 from torch_impl.attention import causal_attention
 from torch_impl.halo import gather_halo
 from torch_impl.hf._common import IMPLEMENTATION, RUNNING, Aside, Context
+from torch_impl.hf.compressed import CompressedEntries, compressed_attention
 from torch_impl.hf.indexed import IndexedContext, Selection, indexed_attention, qsa_attention
 from torch_impl.layout import Window
 from torch_impl.sequence import gather_sequence
@@ -288,6 +289,8 @@ def attention(module, query, key, value, attention_mask, **kwargs):
         return indexed_attention(module, query, key, value, attention_mask, **kwargs)
     if isinstance(attention_mask, Selection):  # Qwen4's QSA: its indexer's picks
         return qsa_attention(module, query, key, value, attention_mask, **kwargs)
+    if isinstance(getattr(module, "compressor", None), CompressedEntries):  # DeepSeek V4's CSA, HCA
+        return compressed_attention(module, query, key, value, attention_mask, **kwargs)
     setup, shard = module.context_parallel, attention_mask.context.shard
     if setup.query_scale is not None:  # scaled by local rows: rescaled to the global ones
         rows = shard.rows(query.device)  # [L]

@@ -19,6 +19,7 @@ from torch_impl import _group
 from torch_impl.hf._common import IMPLEMENTATION, INDEXED, LINEAR, RUNNING, SLIDING, mix
 from torch_impl.hf.attention import AttentionSetup, temperature_scale
 from torch_impl.hf.cca import is_cca
+from torch_impl.hf.compressed import COMPRESSED, CompressedEntries, is_compressor
 from torch_impl.hf.documents import OneRankDocuments, isolates_documents
 from torch_impl.hf.heads import apply_head, check_head
 from torch_impl.hf.indexed import AbsorbedMLA, BlockedIndexer, QSAIndexer
@@ -36,6 +37,7 @@ SUPPORTED_LAYER_TYPES = (
     LINEAR,  # Gated DeltaNet, KDA, Mamba2, Mamba, MiniMax's lightning (torch_impl.hf.recurrent)
     "mlp",  # Nemotron-H's layers without a token mixer
     "moe",
+    *COMPRESSED,  # DeepSeek V4's CSA and HCA (torch_impl.hf.compressed)
 )
 # a layer of both attention and a recurrence (Falcon-H1's parallel ones, Zamba2's shared attention
 # blocks beside its Mamba2): allowed where the walk recognised the recurrences
@@ -181,6 +183,13 @@ def _check_indexed(name, module):
 def _attention_setup(name, module, group, layout, dense=False):
     if _layer_type(module) == INDEXED:
         _check_indexed(name, module)
+    if _layer_type(module) in COMPRESSED and not is_compressor(getattr(module, "compressor", None)):
+        raise _refuse(
+            name,
+            module,
+            f"is a {_layer_type(module)!r} layer without DeepSeek V4's compressor (its forward and "
+            "cache calls)",
+        )
     implementation = module.config._attn_implementation
     if implementation == "sdpa":
         attend = ALL_ATTENTION_FUNCTIONS["sdpa"]
@@ -267,7 +276,11 @@ def apply_attention(decoder, attentions):
         dropout = getattr(module.config, "attention_dropout", 0.0)
         if fallback is None and dropout > 0:  # the fused math applies no dropout
             paths[kind] += f"; in train mode a dense [L, T] mask (attention dropout {dropout})"
-        if kind == INDEXED and is_qsa(module):
+        if kind in COMPRESSED:
+            paths[kind] = "each rank's windows compressed, the entries gathered; the sliding window's keys "
+            paths[kind] += "and the entries on a dense [L, T] mask"
+            mix(module.compressor, CompressedEntries)
+        elif kind == INDEXED and is_qsa(module):
             paths[kind] = "QSA indexer per chunk over the causal prefix's keys; its picks a dense [L, T] mask"
             mix(module.indexer, QSAIndexer)
         elif kind == INDEXED:
@@ -332,6 +345,8 @@ def apply_inputs(model, decoder, hooked, group, validate, layout="contiguous", i
     types = getattr(decoder.config, "layer_types", None)
     # a mask of another kind reaches no layer (a hybrid layer's attention: any kind)
     kinds = None if not types or HYBRID in types else frozenset(types)
+    if kinds is not None and kinds & set(COMPRESSED):  # their masks are the sliding window's
+        kinds |= {SLIDING}
     own_mask = ALL_MASK_ATTENTION_FUNCTIONS.get(decoder.config._attn_implementation)  # before the switch
     for module in hooked:
         hook = ModelInputs(
