@@ -65,6 +65,8 @@ bench-capacity: $(STAMP)
 		$(PY) -m benchmarks.rank_capacity --model $$model --lens 1024,4096 --reps 2 --layers 3 --hidden 1024 \
 			--json $(RESULTS)/rank_capacity_$$model.json --plot docs/rank_capacity_$$model.png || exit 1; \
 	done
+	$(PY) -m benchmarks.rank_capacity --model deepseek_v4 --lens 1024,4096 --reps 2 --topk 512 \
+		--json $(RESULTS)/rank_capacity_deepseek_v4.json --plot docs/rank_capacity_deepseek_v4.png
 	for model in gemma2 gpt_oss; do \
 		$(PY) -m benchmarks.rank_capacity --model $$model --lens 4096 --reps 2 --variants alone,torch_impl \
 			--json $(RESULTS)/rank_capacity_$$model.json --plot out/rank_capacity_$$model.png || exit 1; \

@@ -110,7 +110,32 @@ def measure(variant, args, L, device):
         with PayloadCounter() as counter:
             step()
         result["received_per_layer"] = counter.received // args.layers
+    if variant != "alone" and args.model == "deepseek_v4":
+        result |= received_per_kind(model, kwargs)
     return result
+
+
+def received_per_kind(model, kwargs):
+    """DeepSeek V4: the bytes each layer receives in one forward, by its type, beside what an
+    all-gather of that layer's keys (one KV head) would receive."""
+    received, hooks = {}, []
+    with PayloadCounter() as counter, torch.no_grad():
+        for layer in model.model.layers:
+            kind = layer.self_attn.layer_type
+            hooks.append(
+                layer.register_forward_pre_hook(lambda *_, k=kind: received.__setitem__(k, -counter.received))
+            )
+            hooks.append(
+                layer.register_forward_hook(
+                    lambda *_, k=kind: received.__setitem__(k, received[k] + counter.received)
+                )
+            )
+        model(**kwargs)
+    for hook in hooks:
+        hook.remove()
+    n, (_, L), config = dist.get_world_size(), kwargs["input_ids"].shape, model.config
+    keys = (n - 1) * L * config.head_dim * model.dtype.itemsize
+    return {"received": received, "allgather_keys": keys}
 
 
 def child(args):
@@ -228,10 +253,12 @@ def parse(argv):
     p.add_argument("--n", type=int, default=8, help="CP ranks; this process plays rank n-1")
     p.add_argument(
         "--model",
-        choices=("gemma3", "gemma2", "gpt_oss", "deepseek_v32", *RECURRENT),
+        choices=("gemma3", "gemma2", "gpt_oss", "deepseek_v32", "deepseek_v4", *RECURRENT),
         default="gemma3",
     )
-    p.add_argument("--topk", type=int, default=256, help="deepseek_v32: keys each query picks")
+    p.add_argument(
+        "--topk", type=int, default=256, help="deepseek_v32, deepseek_v4: keys (entries) a query picks"
+    )
     p.add_argument("--lens", default="1024,2048,4096", help="tokens per rank")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
@@ -251,7 +278,7 @@ def parse(argv):
     p.add_argument("--child-len", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     known = VARIANTS
-    if args.model in ("deepseek_v32", *RECURRENT):  # no dense path; recurrent layers alone
+    if args.model in ("deepseek_v32", "deepseek_v4", *RECURRENT):  # no dense path; recurrent layers alone
         known = (
             ("alone", "torch_impl", "allgather") if args.model == "deepseek_v32" else ("alone", "torch_impl")
         )
@@ -274,6 +301,7 @@ def main(argv=None):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = {
         "deepseek_v32": f"DeepSeek V3.2 (build_dsa), top-k {args.topk}",
+        "deepseek_v4": f"DeepSeek V4's sliding, CSA and HCA layers (capacity_deepseek_v4), top-k {args.topk}",
         "qwen3_5": f"Qwen3.5's Gated DeltaNet, {args.layers} layers, hidden {args.hidden}, 16 heads of 128",
         "mamba2": f"Mamba2 at Nemotron-H's head sizes, {args.layers} layers, hidden {args.hidden}",
         "minimax": f"MiniMax's lightning attention, {args.layers} layers, heads of 128, hidden {args.hidden}",

@@ -99,6 +99,20 @@ def capacity_block(name):
     return ([name], render)
 
 
+def compressed_capacity(data):
+    """DeepSeek V4: the capacity table, then per L the bytes each layer kind received in a forward
+    beside an all-gather of its keys."""
+    lines = [
+        "| L | layer | received in a forward | all-gather of its keys | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        for kind, got in r.get("received", {}).items():
+            keys = r["allgather_keys"]
+            lines.append(f"| {r['L']} | {kind} | {got:,} B | {keys:,} B | {ratio(got, keys)} |")
+    return f"{capacity(data)}\n\n{chr(10).join(lines)}\n\n{provenance(data)}"
+
+
 def capacity_last(data, variant):
     """(peak, ms) ratios to the rank alone at the largest L."""
     rows = [r for r in data["rows"] if "peak_mib" in r]
@@ -491,6 +505,7 @@ BLOCKS = {
     "capacity_qwen3_5": capacity_block("rank_capacity_qwen3_5"),
     "capacity_mamba2": capacity_block("rank_capacity_mamba2"),
     "capacity_minimax": capacity_block("rank_capacity_minimax"),
+    "capacity_deepseek_v4": (["rank_capacity_deepseek_v4"], compressed_capacity),
     "capacity_sinks_cap": (["rank_capacity_gemma2", "rank_capacity_gpt_oss", "rank_capacity"], sinks_and_cap),
     "packed": (["packed_rows"], packed),
     "packed_ranks": (["packed_ranks"], packed_ranks),
@@ -515,7 +530,7 @@ TARGETS = {
     "packed_ranks": "make bench-packed",
     **{
         f"rank_capacity{s}": "make bench-capacity"
-        for s in ("", "_dsa", "_qwen3_5", "_mamba2", "_minimax", "_gemma2", "_gpt_oss")
+        for s in ("", "_dsa", "_qwen3_5", "_mamba2", "_minimax", "_gemma2", "_gpt_oss", "_deepseek_v4")
     },
     **{
         n: "make bench-other"

@@ -93,6 +93,8 @@ def capacity_model(args, max_positions):
         return capacity_mamba2(args, max_positions)
     if args.model == "minimax":
         return capacity_minimax(args, max_positions)
+    if args.model == "deepseek_v4":
+        return capacity_deepseek_v4(args, max_positions)
     period = 6 if args.model == "gemma3" else 2
     layer_types = [
         "full_attention" if i % period == period - 1 else "sliding_attention" for i in range(args.layers)
@@ -187,6 +189,43 @@ def capacity_minimax(args, max_positions):
         max_position_embeddings=max_positions,
     )
     model = tf.MiniMaxForCausalLM(config)
+    model.set_experts_implementation("eager")
+    return model
+
+
+def capacity_deepseek_v4(args, max_positions):
+    """DeepSeek V4's layer kinds once each: a sliding layer, CSA (windows of 4 and the window
+    before, an indexer of 8 heads of 64 keeping `--topk` entries) and HCA (windows of 128), window
+    128, one shared KV head of 128 (64 rotated), 8 query heads, hidden 512, 4 hyper-connection
+    streams, 4 experts of 512 (2 a token, by token id: the fake group's received bytes are
+    arbitrary, and a learned router could send a recomputation elsewhere), eager (transformers'
+    only attention for it)."""
+    import transformers as tf
+
+    config = tf.DeepseekV4Config(
+        vocab_size=args.vocab,
+        hidden_size=512,
+        moe_intermediate_size=512,
+        num_hidden_layers=3,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        mlp_layer_types=["hash_moe"] * 3,  # routed by token id: the same in a recomputation
+        num_attention_heads=8,
+        head_dim=128,
+        partial_rotary_factor=0.5,
+        q_lora_rank=256,
+        o_groups=4,
+        o_lora_rank=128,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        index_n_heads=8,
+        index_head_dim=64,
+        index_topk=args.topk,
+        sliding_window=128,
+        max_position_embeddings=max_positions,
+        use_cache=False,
+        attn_implementation="eager",
+    )
+    model = tf.DeepseekV4ForCausalLM(config)
     model.set_experts_implementation("eager")
     return model
 

@@ -472,9 +472,9 @@ def unsharded_calls(group, name, layout):
         differences["logits"] = (outs[0].logits - outs[1].logits).abs().max().item()
         differences["loss"] = (outs[0].loss - outs[1].loss).abs().item()
         differences["grads"] = max(
-            (p.grad - q.grad).abs().max().item()
+            0.0 if p.grad is None and q.grad is None else (p.grad - q.grad).abs().max().item()
             for p, q in zip(plain.parameters(), model.parameters(), strict=True)
-        )
+        )  # (an indexer's: no gradient in either)
         prompt = {key: batch[key][:, :10] for key in ("input_ids", "attention_mask")}
         for use_cache in (True, False):
             for tag, m in (("plain", plain), ("cp", model)):

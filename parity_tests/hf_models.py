@@ -9,6 +9,8 @@ from functools import partial
 
 import torch
 
+from parity_tests import zoo
+
 VOCAB = 64
 SEQ_LEN = 24
 
@@ -190,6 +192,8 @@ def _configs(head_dim=8):
                 )
             )
         ),
+        # MiniMax-M3's block-sparse layers beside full ones (the sweep's tiny config)
+        "minimax_m3": lambda: zoo.build("minimax_m3_vl_text"),
         # refused by parallelize
         "t5": lambda: tf.T5ForConditionalGeneration(
             tf.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=1, num_heads=4)

@@ -355,9 +355,16 @@ MUTATIONS += [
     Mutation(  # DeepSeek V4: entries of windows not closed yet (HCA's; CSA's indexer) seen by a query
         "compressed_entry_seen_before_its_window_closes",
         "torch_impl/hf/compressed.py",
-        "super().forward(hidden_states, q_residual, position_ids, serving, layer_idx)",
-        "super().forward(hidden_states, q_residual, position_ids + self.compress_rate, serving, layer_idx)",
+        "position_ids[:, rows], serving, layer_idx",
+        "position_ids[:, rows] + self.compress_rate, serving, layer_idx",
         ("parity_tests/test_models.py", "-k", "family_equals and deepseek_v4"),
+    ),
+    Mutation(  # MiniMax-M3's indexer given its own rank's keys in every rank's slots
+        "block_indexer_sees_only_its_own_keys",
+        "torch_impl/hf/block_sparse.py",
+        "keys = gather_sequence(own.computed[:, 0], context.group, layout=context.shard.layout)",
+        "keys = torch.cat([own.computed[:, 0]] * context.shard.n, dim=1)",
+        ("parity_tests/test_models.py", "-k", "family_equals and minimax_m3"),
     ),
     Mutation(  # Qwen4's QSA indexer given only the rank's own keys: blocks of the earlier ranks lost
         "qsa_indexer_sees_only_its_own_keys",

@@ -100,6 +100,7 @@ def test_packed_rows_quick_mode_counts_the_documents_minimum(tmp_path):
     assert "| short | head_tail | 3 |" in out
 
 
+@pytest.mark.slow  # (about 50 s: eight processes; make test-all)
 def test_layout_balance_runs_both_models_and_layouts(tmp_path):
     """`make bench-other`'s per-rank work under both layouts, at tiny sizes: every (model, layout,
     rank) runs in its own process and the report renders its JSON (no timing assertions)."""

@@ -29,6 +29,7 @@ QUICK = {  # family: (what it exercises, its verdict)
     "qwen4_exp_text": ("Qwen4's QSA: top-k blocks of pooled keys, beside Gated DeltaNet", "exact"),
     "dots3_note_text": ("DeepSeek Sparse Attention beside sliding MLA layers", "exact"),
     "deepseek_v4": ("compressed entries (CSA's indexer, HCA) beside a sliding window, with sinks", "exact"),
+    "minimax_m3_vl_text": ("MiniMax-M3's block-sparse layers: top-k blocks per KV head", "exact"),
     "opt": ("a causal LM calling its decoder directly; positions counting real tokens", "exact"),
     "roberta": ("positions from the padding index and the pad tokens", "exact"),
     "gemma3": ("a multimodal model given text", "exact"),
@@ -131,3 +132,14 @@ def test_state_space_families_on_four_ranks_with_checkpointing(pool, family):
         ranks = pool.run(("first", 4), zoo_cases.compare, family, case, True, True, timeout=120)[0]
         for result in ranks:
             assert result["verdict"] == "exact", (family, case, result)
+
+
+def test_deepseek_v4_in_query_blocks(pool):
+    """DeepSeek V4's compressed layers 5 queries at a time (blocks that cut the windows, the
+    window's keys and the chunks unevenly) on 2 ranks with checkpointing, every sweep case: exact."""
+    for case in zoo.CASES:
+        ranks = pool.run(
+            ("first", 2), zoo_cases.compare_in_query_blocks, "deepseek_v4", case, 5, timeout=120
+        )[0]
+        for result in ranks:
+            assert result["verdict"] == "exact", (case, result)

@@ -262,6 +262,7 @@ FAMILY = {
         mlp_layer_types=["dense", "sparse"],
         index_block_size=4,
         index_topk_blocks=2,
+        index_n_heads=2,  # one block selection per KV head
     ),  # default: no sparse/dense layers
     "roc_bert": dict(
         pronunciation_embed_dim=32, pronunciation_vocab_size=VOCAB, shape_embed_dim=32, shape_vocab_size=VOCAB

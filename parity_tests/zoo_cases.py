@@ -144,6 +144,18 @@ def compare(group, model_type, case, cp=True, checkpointing=False, task="causal_
         torch.set_default_dtype(default)
 
 
+def compare_in_query_blocks(group, model_type, case, block):
+    """`compare` with DeepSeek V4's compressed layers running `block` queries at a time (their
+    default, 256, is more than the sweep's shards hold)."""
+    from torch_impl.hf.compressed import CompressedEntries
+
+    default, CompressedEntries.query_block = CompressedEntries.query_block, block
+    try:
+        return compare(group, model_type, case, True, True)
+    finally:
+        CompressedEntries.query_block = default
+
+
 NO_TOKEN_TYPES = "its forward takes no token types"
 
 

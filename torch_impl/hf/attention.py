@@ -31,6 +31,7 @@ from transformers.masking_utils import (
 from torch_impl.attention import causal_attention
 from torch_impl.halo import gather_halo
 from torch_impl.hf._common import IMPLEMENTATION, RUNNING, Aside, Context
+from torch_impl.hf.block_sparse import block_sparse_attention, own_block_mask
 from torch_impl.hf.compressed import CompressedEntries, compressed_attention
 from torch_impl.hf.indexed import IndexedContext, Selection, indexed_attention, qsa_attention
 from torch_impl.layout import Window
@@ -183,6 +184,9 @@ def fetch_kv(context, key, value, reach):
     gradients packed the same way, one reduce-scatter or one set of p2p messages.
     Returns (key [B, Hkv, T, D], value [B, Hkv, T, Dv])."""
     shard, group, D = context.shard, context.group, key.shape[-1]
+    if value is key:  # one tensor for both (DeepSeek V4's shared KV): sent once
+        key, _ = fetch_kv(context, key, key[..., :0], reach)
+        return key, key
     packed = torch.cat([key.permute(2, 0, 1, 3), value.permute(2, 0, 1, 3)], dim=-1)  # [L, B, Hkv, D + Dv]
     packed = packed.transpose(0, 1)  # [B, L, Hkv, D + Dv]: a view the transport takes without a copy
     if reach is None:
@@ -282,6 +286,11 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     ([B, L, H, D], weights), equal to the single-process model at the rank's global rows. Each of
     the rank's chunks (one contiguous, two head_tail: ShardPlan) attends over its own keys."""
     if isinstance(RUNNING.context, Aside):  # an unsharded call: the model's own attention
+        if kwargs.get("block_indices") is not None:  # MiniMax-M3's picks: the mask it makes on sdpa
+            blocks = kwargs["block_indices"]
+            attention_mask = own_block_mask(
+                module, query, key, attention_mask, blocks, kwargs.get("position_ids")
+            )
         return _setup(module).attend(module, query, key, value, attention_mask, **kwargs)
     check_call(module, attention_mask)
     if isinstance(attention_mask, IndexedContext):
@@ -289,6 +298,8 @@ def attention(module, query, key, value, attention_mask, **kwargs):
         return indexed_attention(module, query, key, value, attention_mask, **kwargs)
     if isinstance(attention_mask, Selection):  # Qwen4's QSA: its indexer's picks
         return qsa_attention(module, query, key, value, attention_mask, **kwargs)
+    if kwargs.get("block_indices") is not None:  # MiniMax-M3's sparse layers: its indexer's picks
+        return block_sparse_attention(module, query, key, value, attention_mask, **kwargs)
     if isinstance(getattr(module, "compressor", None), CompressedEntries):  # DeepSeek V4's CSA, HCA
         return compressed_attention(module, query, key, value, attention_mask, **kwargs)
     setup, shard = module.context_parallel, attention_mask.context.shard

@@ -5,7 +5,8 @@ alone), beside the layer's sliding window over the tokens themselves.
 
 The compressed entries move instead of the tokens. A window belongs to the rank holding its last
 token: each rank runs the model's own compressor (and CSA's indexer's) over its chunks' windows,
-with the up to 2m - 1 hidden states before a chunk that its first windows read (gather_halo), then
+with the hidden states before a chunk that its first windows read (gather_halo: fewer than m, CSA
+fewer than 2m; with chunks a multiple of m, none and m), then
 the entries of every rank are gathered (gather_sequence, about 1/m of the tokens; backward: their
 gradients go back to the rank that made them). The model's own compressor then runs once more for
 this rank's queries over the gathered entries: their causal threshold and the indexer's top-k over
@@ -54,12 +55,15 @@ class _Windows:
 
 class CompressedEntries:
     """Mixed into the class of a DeepSeek V4 compressor (CSA's or HCA's), per instance, as FSDP2's
-    fully_shard does, so that its parameters keep their names. Its forward returns what the
-    model's does: every compressed entry of the whole sequence [B, 1, T, D] and this rank's
-    queries' mask over them [B, 1, L, T] (0 or -inf), which it also keeps as `bias` for
-    `compressed_attention` (the model drops it when its mask is not a tensor)."""
+    fully_shard does, so that its parameters keep their names. Its forward returns every
+    compressed entry of the whole sequence [B, 1, T, D] as the model's does, and keeps which of
+    them this rank's queries see as `visible` (bool [B, L, T], or None without entries) for
+    `compressed_attention`; the model's own mask over them (a float [B, 1, L, T], which the model
+    drops when its mask is not a tensor) is not made. The model's compressor runs for `query_block`
+    queries at a time: its indexer scores [B, block, heads, T] of them at once."""
 
-    bias = None
+    query_block = 256
+    visible = None
 
     def forward(self, hidden_states, q_residual, position_ids, past_key_values, layer_idx):
         if stepping_aside():  # an unsharded call: the model's own compressor
@@ -68,8 +72,18 @@ class CompressedEntries:
             raise ValueError("torch_impl.hf: DeepSeek V4's compressed layers take no KV cache under CP")
         entries = self.gather_entries(hidden_states, layer_idx)
         serving = _Windows(layer_idx, self.compress_rate, entries=entries)
-        compressed, self.bias = super().forward(hidden_states, q_residual, position_ids, serving, layer_idx)
-        return compressed, self.bias
+        blocks = []
+        L = hidden_states.shape[1]
+        for q0 in range(0, L, self.query_block):
+            n = min(self.query_block, L - q0)
+            rows = torch.arange(q0, q0 + n, device=hidden_states.device)
+            rows = rows.repeat(2) if n == 1 else rows  # one query alone: the model's decoding path
+            compressed, bias = super().forward(
+                hidden_states[:, rows], q_residual[:, rows], position_ids[:, rows], serving, layer_idx
+            )  # [B, 1, T, D], [B, 1, block, T] 0 / -inf (None: no entries)
+            blocks.append(None if bias is None else bias[:, 0, :n] == 0)
+        self.visible = None if blocks[0] is None else torch.cat(blocks, dim=1)  # [B, L, T]
+        return compressed, None
 
     def gather_entries(self, hidden_states, layer_idx):
         """name -> [B, T, d]: the entries of every window of the sequence (the compressor's, and the
@@ -77,13 +91,14 @@ class CompressedEntries:
         context, m = RUNNING.context, self.compress_rate
         shard, (B, _, _) = context.shard, hidden_states.shape
         overlap = hasattr(self, "indexer")  # CSA: a window's entry also reads the window before it
-        reach = 2 * m - 1 if overlap else m - 1  # from a chunk's first window's first token
-        fetched = gather_halo(hidden_states, context.group, reach, layout=shard.layout)
         C, slots, made = shard.chunk_len, -(-shard.chunk_len // m), []  # slots: most windows a chunk owns
+        # per global chunk, the tokens before it that its first window (CSA: and the one before) reads
+        reach = tuple(c * C - max(0, c * C // m - overlap) * m for c in range(shard.num_chunks))
+        fetched = gather_halo(hidden_states, context.group, reach, layout=shard.layout)
         for w in shard.windows(reach):
             owned = range(w.start // m, w.end // m)  # the windows whose last token is in the chunk
-            first = max(0, owned.start - overlap) * m  # their first token, or CSA's window before
-            rows = slice(w.segment.start + first - w.first_key, w.segment.stop)
+            first = w.first_key  # their first token, or CSA's window before
+            rows = w.segment
             making = _Windows(layer_idx, m, first, skip=owned.start - first // m)
             dummy = self.indexer.q_b_proj.in_features if overlap else 1
             h = fetched[:, rows]
@@ -106,50 +121,68 @@ def compressed_attention(module, query, key, value, mask, **kwargs):
     """A CSA or HCA layer on rank r: query [B, H, L, D] over its sliding window's keys and the
     compressed entries. key (= value, DeepSeek V4's shared KV): [B, 1, L + T, D], this rank's
     tokens then every entry (CompressedEntries); mask: the LocalMask of its sliding window. The
-    window's keys arrive as for a sliding layer (once: K is V), then per local chunk the model's own
-    attention function (its sinks) on a dense mask: the window's rule over the tokens, the
-    compressor's `bias` over the entries. Returns ([B, L, H, D], None)."""
+    window's keys arrive as for a sliding layer (once: K is V), then per block of a local chunk's
+    queries the model's own attention function (its sinks) on a dense mask: the window's rule over
+    the keys the block reaches, the compressor's `visible` over the entries. Returns ([B, L, H, D],
+    None)."""
     if value is not key:
         raise ValueError(f"torch_impl.hf: {type(module).__name__} passed different keys and values")
-    setup, context, (B, _, L, _) = module.context_parallel, mask.context, query.shape
+    context, (B, _, L, _) = mask.context, query.shape
+    from torch_impl.hf.attention import fetch_kv  # (attention imports this module)
+
     own, entries = key[:, :, :L], key[:, :, L:]  # [B, 1, L, D], [B, 1, T, D]
-    own = own.transpose(1, 2)  # [B, L, 1, D]
-    fetched = (
-        gather_sequence(own, context.group, layout=context.shard.layout)
-        if mask.reach is None
-        else gather_halo(own, context.group, mask.reach, layout=context.shard.layout)
-    ).transpose(1, 2)  # [B, 1, T', D]
-    bias = module.compressor.bias  # [B, 1, L, T] 0 / -inf, or None without entries
-    outs = []
+    fetched, _ = fetch_kv(context, own, own, mask.reach)  # [B, 1, T', D]: sent once, K is V
+    visible = module.compressor.visible  # [B, L, T], or None without entries
+    if visible is None:
+        visible = torch.zeros((B, L, 0), dtype=torch.bool, device=query.device)
+    outs, block = [], module.compressor.query_block
     for keys in mask.chunks:
         w = keys.chunk
-        both = torch.cat([fetched[:, :, keys.rows], entries], dim=2)  # [B, 1, Tc + T, D]
-        q_rows = torch.arange(w.start, w.end, device=query.device)[:, None]  # [C, 1]
-        k_rows = torch.arange(w.first_key, w.end, device=query.device)[None]  # [1, Tc]
-        seen = (k_rows <= q_rows)[None]  # [1, C, Tc]
-        if mask.window is not None:
-            seen = seen & (q_rows - k_rows < mask.window)
-        if keys.padding is not None:
-            seen = seen & keys.padding[:, None, :]
-        if keys.documents is not None:
-            seen = seen & (keys.documents[:, None, :] == keys.documents[:, w.halo :, None])
-        picked = torch.zeros((B, w.end - w.start, 0), dtype=torch.bool, device=query.device)
-        if bias is not None:
-            picked = bias[:, 0, w.queries] == 0  # [B, C, T]
-        visible = torch.cat([seen.expand(B, -1, -1), picked], dim=-1)  # [B, C, Tc + T]
-        dense = setup.make_mask(
-            batch_size=B,
-            q_length=visible.shape[1],
-            kv_length=visible.shape[2],
-            mask_function=lambda b, h, q, kv, visible=visible: visible[b, q, kv],
-            allow_is_causal_skip=False,
-            dtype=query.dtype,
-            device=query.device,
-            config=module.config,
-        )  # [B, 1, C, Tc + T]
-        out, _ = setup.attend(module, query[:, :, w.queries], both, both, dense, **kwargs)
-        outs.append(out)  # [B, C, H, D]
+        for q0 in range(w.start, w.end, block):
+            q1 = min(q0 + block, w.end)
+            k0 = w.first_key if mask.window is None else max(w.first_key, q0 - mask.window + 1)
+            local = slice(w.queries.start + q0 - w.start, w.queries.start + q1 - w.start)
+            cut = slice(k0 - w.first_key, q1 - w.first_key)  # the block's keys among the chunk's
+            seen = _window_rule(keys, mask.window, range(q0, q1), range(k0, q1), cut, query.device)
+            both = torch.cat([fetched[:, :, keys.rows][:, :, cut], entries], dim=2)  # [B, 1, Tb + T, D]
+            seen = torch.cat([seen.expand(B, -1, -1), visible[:, local]], dim=-1)  # [B, block, Tb + T]
+            out, _ = _attend(module, query[:, :, local], both, seen, kwargs)
+            outs.append(out)  # [B, block, H, D]
     return torch.cat(outs, dim=1), None
+
+
+def _window_rule(keys, window, queries, rows, cut, device):
+    """bool [B or 1, q, k]: the sliding layer's rule for queries at global rows `queries` over keys
+    at `rows` (their ChunkKeys columns `cut`): causal, within the window, not padding, the same
+    document."""
+    q = torch.arange(queries.start, queries.stop, device=device)[:, None]
+    k = torch.arange(rows.start, rows.stop, device=device)[None]
+    seen = (k <= q)[None]  # [1, q, k]
+    if window is not None:
+        seen = seen & (q - k < window)
+    if keys.padding is not None:
+        seen = seen & keys.padding[:, None, cut]
+    if keys.documents is not None:
+        first = keys.chunk.first_key
+        own = keys.documents[:, queries.start - first : queries.stop - first]  # [B, q]
+        seen = seen & (keys.documents[:, None, cut] == own[:, :, None])
+    return seen
+
+
+def _attend(module, query, both, visible, kwargs):
+    """The model's own attention function on the dense mask `visible` [B, q, k]."""
+    setup, B = module.context_parallel, query.shape[0]
+    dense = setup.make_mask(
+        batch_size=B,
+        q_length=visible.shape[1],
+        kv_length=visible.shape[2],
+        mask_function=lambda b, h, q, kv: visible[b, q, kv],
+        allow_is_causal_skip=False,
+        dtype=query.dtype,
+        device=query.device,
+        config=module.config,
+    )  # [B, 1, q, k]
+    return setup.attend(module, query, both, both, dense, **kwargs)
 
 
 def is_compressor(module):

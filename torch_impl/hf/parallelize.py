@@ -18,6 +18,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from torch_impl import _group
 from torch_impl.hf._common import IMPLEMENTATION, INDEXED, LINEAR, RUNNING, SLIDING, mix
 from torch_impl.hf.attention import AttentionSetup, temperature_scale
+from torch_impl.hf.block_sparse import BLOCK_SPARSE, BlockIndexer, is_block_sparse
 from torch_impl.hf.cca import is_cca
 from torch_impl.hf.compressed import COMPRESSED, CompressedEntries, is_compressor
 from torch_impl.hf.documents import OneRankDocuments, isolates_documents
@@ -38,6 +39,7 @@ SUPPORTED_LAYER_TYPES = (
     "mlp",  # Nemotron-H's layers without a token mixer
     "moe",
     *COMPRESSED,  # DeepSeek V4's CSA and HCA (torch_impl.hf.compressed)
+    BLOCK_SPARSE,  # MiniMax-M3's (torch_impl.hf.block_sparse)
 )
 # a layer of both attention and a recurrence (Falcon-H1's parallel ones, Zamba2's shared attention
 # blocks beside its Mamba2): allowed where the walk recognised the recurrences
@@ -190,6 +192,11 @@ def _attention_setup(name, module, group, layout, dense=False):
             f"is a {_layer_type(module)!r} layer without DeepSeek V4's compressor (its forward and "
             "cache calls)",
         )
+    if _layer_type(module) == BLOCK_SPARSE:
+        if not is_block_sparse(module):
+            raise _refuse(name, module, f"is a {BLOCK_SPARSE!r} layer without MiniMax-M3's indexer")
+        if module.indexer.local_blocks > module.indexer.topk_blocks:  # ties among its kept blocks
+            raise _refuse(name, module, "keeps more local blocks than its top-k, which ties break by length")
     implementation = module.config._attn_implementation
     if implementation == "sdpa":
         attend = ALL_ATTENTION_FUNCTIONS["sdpa"]
@@ -276,7 +283,11 @@ def apply_attention(decoder, attentions):
         dropout = getattr(module.config, "attention_dropout", 0.0)
         if fallback is None and dropout > 0:  # the fused math applies no dropout
             paths[kind] += f"; in train mode a dense [L, T] mask (attention dropout {dropout})"
-        if kind in COMPRESSED:
+        if kind == BLOCK_SPARSE:
+            paths[kind] = "its indexer per chunk over every rank's index keys; the model's block mask, "
+            paths[kind] += "dense [L, T] per head"
+            mix(module.indexer, BlockIndexer)
+        elif kind in COMPRESSED:
             paths[kind] = "each rank's windows compressed, the entries gathered; the sliding window's keys "
             paths[kind] += "and the entries on a dense [L, T] mask"
             mix(module.compressor, CompressedEntries)
@@ -347,6 +358,8 @@ def apply_inputs(model, decoder, hooked, group, validate, layout="contiguous", i
     kinds = None if not types or HYBRID in types else frozenset(types)
     if kinds is not None and kinds & set(COMPRESSED):  # their masks are the sliding window's
         kinds |= {SLIDING}
+    if kinds is not None and BLOCK_SPARSE in kinds:  # its mask is the full layers'
+        kinds |= {"full_attention"}
     own_mask = ALL_MASK_ATTENTION_FUNCTIONS.get(decoder.config._attn_implementation)  # before the switch
     for module in hooked:
         hook = ModelInputs(
