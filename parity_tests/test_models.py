@@ -143,3 +143,12 @@ def test_deepseek_v4_in_query_blocks(pool):
         )[0]
         for result in ranks:
             assert result["verdict"] == "exact", (case, result)
+
+
+def test_minimax_m3_refuses_left_padding(pool):
+    """MiniMax-M3's indexer pools padding keys into its blocks: left-padded rows are refused (the
+    sweep gives it right-padded ones, zoo.RIGHT_PADDED)."""
+    for message in pool.run(("first", 2), zoo_cases.left_padding_refusal, "minimax_m3_vl_text", timeout=120)[
+        0
+    ]:
+        assert message is not None and "padding before a real token" in message, message

@@ -379,16 +379,23 @@ def _text(config):
     return config.get_text_config()
 
 
-def padded_batch(config, seed=1):
-    """Rows of SEQ_LEN tokens: one whole, one right-padded by 5, one left-padded by 3, with the
-    model's pad token at the padding (as a tokenizer pads) and labels -100 there and at the left-
-    padded row's first token, the one its last padding position would predict: a query that sees
-    no key is left to each implementation (transformers' eager and sdpa differ; CP gives zeros)."""
+# families whose real tokens read what left padding's rows hold (rows that see no key, which each
+# implementation fills in its own way): the adapter refuses their left-padded rows
+RIGHT_PADDED = {"minimax_m3_vl_text": "its sparse layers' indexer pools the padding's keys into its blocks"}
+
+
+def padded_batch(config, seed=1, left=None):
+    """Rows of SEQ_LEN tokens: one whole, one right-padded by 5, one left-padded by 3 (right-padded
+    for a family in RIGHT_PADDED, unless `left`), with the model's pad token at the padding (as a
+    tokenizer pads) and labels -100 there and at the left-padded row's first token, the one its
+    last padding position would predict: a query that sees no key is left to each implementation
+    (transformers' eager and sdpa differ; CP gives zeros)."""
+    left = _text(config).model_type not in RIGHT_PADDED if left is None else left
     gen = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(*TOKENS, (3, SEQ_LEN), generator=gen)
     attention_mask = torch.ones_like(input_ids)
     attention_mask[1, -5:] = 0
-    attention_mask[2, :3] = 0
+    attention_mask[2, slice(None, 3) if left else slice(-3, None)] = 0
     pad = getattr(_text(config), "pad_token_id", None)
     if isinstance(pad, int) and 0 <= pad < VOCAB:
         input_ids = input_ids.masked_fill(attention_mask == 0, pad)

@@ -32,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from parity_tests import bounds, zoo
 from torch_impl import hf
+from torch_impl.hf.compressed import CompressedEntries
 from torch_impl.hf.inputs import TYPE_KEYS
 from torch_impl.layout import ShardPlan
 
@@ -147,13 +148,22 @@ def compare(group, model_type, case, cp=True, checkpointing=False, task="causal_
 def compare_in_query_blocks(group, model_type, case, block):
     """`compare` with DeepSeek V4's compressed layers running `block` queries at a time (their
     default, 256, is more than the sweep's shards hold)."""
-    from torch_impl.hf.compressed import CompressedEntries
-
     default, CompressedEntries.query_block = CompressedEntries.query_block, block
     try:
         return compare(group, model_type, case, True, True)
     finally:
         CompressedEntries.query_block = default
+
+
+def left_padding_refusal(group, model_type):
+    """The message with which a family in zoo.RIGHT_PADDED refuses left-padded rows (None: ran)."""
+    model = zoo.build(model_type)
+    hf.parallelize(model, group, verbose=False)
+    try:
+        model(**hf.shard_batch(zoo.padded_batch(model.config, left=True), group))
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 NO_TOKEN_TYPES = "its forward takes no token types"

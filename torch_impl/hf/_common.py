@@ -1,13 +1,15 @@
 """What the modules of torch_impl.hf share: the registered implementation's name, the forward's
-CP context that the model's pre-hook makes for its mask function, and reading a forward's
-arguments by name in hooks."""
+CP context that the model's pre-hook makes for its mask function, reading a forward's arguments
+by name in hooks, and fetching a layer's keys and values (`fetch_kv`)."""
 
 import inspect
 from typing import NamedTuple
 
 import torch
 
+from torch_impl.halo import gather_halo
 from torch_impl.layout import Documents, ShardPlan
+from torch_impl.sequence import gather_sequence
 
 IMPLEMENTATION = "cp_transport"
 INDEXED = "indexed_attention"  # an indexer's top-k: DeepSeek Sparse Attention (MLA), Qwen4's QSA
@@ -103,3 +105,25 @@ def check_stateless(args, *given):
             "state or with cu_seqlens / seq_idx: generation with a cache and flash-style packed "
             "sequences are not supported under CP"
         )
+
+
+def fetch_kv(context, key, value, reach):
+    """This rank's keys and values for a layer of this reach (key [B, Hkv, L, D], value [B, Hkv, L,
+    Dv]), in one exchange: packed side by side into one sequence-major buffer [L, B, Hkv, D + Dv]
+    (the copy the transport makes anyway), then the causal prefix gathered (reach None:
+    gather_sequence, the sequence in global order) or each chunk's reach fetched (gather_halo, one
+    segment per chunk: its tokens before it, then itself), and split back. Backward: the two
+    gradients packed the same way, one reduce-scatter or one set of p2p messages.
+    Returns (key [B, Hkv, T, D], value [B, Hkv, T, Dv])."""
+    shard, group, D = context.shard, context.group, key.shape[-1]
+    if value is key:  # one tensor for both (DeepSeek V4's shared KV): sent once
+        key, _ = fetch_kv(context, key, key[..., :0], reach)
+        return key, key
+    packed = torch.cat([key.permute(2, 0, 1, 3), value.permute(2, 0, 1, 3)], dim=-1)  # [L, B, Hkv, D + Dv]
+    packed = packed.transpose(0, 1)  # [B, L, Hkv, D + Dv]: a view the transport takes without a copy
+    if reach is None:
+        packed = gather_sequence(packed, group, layout=shard.layout)  # [B, S, Hkv, D + Dv]
+    else:
+        packed = gather_halo(packed, group, reach, layout=shard.layout)  # [B, T, Hkv, D + Dv]
+    key, value = packed.split([D, packed.shape[-1] - D], dim=-1)  # [B, T, Hkv, D], [B, T, Hkv, Dv]
+    return key.transpose(1, 2), value.transpose(1, 2)

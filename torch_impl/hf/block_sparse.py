@@ -8,8 +8,9 @@ this rank's rows for their index keys, then, after every rank's keys arrive (gat
 autograd: the picks are not differentiated in one process either), once per local chunk over the
 keys before the chunk's end, which hold every block its queries may pick, at the same slots as
 one process. `block_sparse_attention` gathers K and V with autograd and runs the model's own
-attention function on the model's own block mask, joined with the chunk's causal, padding and
-document rule.
+attention function on the model's own block mask, joined with the chunk's causal and padding
+rule. Rows whose picks would read what a query that sees no key holds are refused
+(`check_rows`): padding before a real token, packed rows.
 """
 
 import inspect
@@ -17,7 +18,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from torch_impl.hf._common import RUNNING, stepping_aside
+from torch_impl.hf._common import RUNNING, fetch_kv, stepping_aside
 from torch_impl.sequence import gather_sequence
 
 BLOCK_SPARSE = "minimax_m3_sparse"
@@ -32,6 +33,26 @@ def is_block_sparse(module):
     names = list(inspect.signature(indexer.forward).parameters)
     wanted = ["hidden_states", "position_embeddings", "past_key_values", "position_ids"]
     return names == wanted and all(hasattr(indexer, a) for a in ("block_size", "topk_blocks", "local_blocks"))
+
+
+def check_rows(context):
+    """ValueError (on every rank alike: from the forward's gathered rows) for rows whose picks
+    depend on what each implementation makes of a query that sees no key. The indexer pools every
+    key slot before the query, padding included (the model's own TODO): with padding before a
+    real token its picks read the padding rows' states (eager and sdpa differ there in one
+    process, and CP gives zeros); in packed rows (position_ids restarting) its slots from row 0
+    land in earlier documents, where most queries see no key."""
+    why = None
+    if context.documents is not None:
+        why = "packed rows: its blocks are key slots from row 0, compared with restarting position_ids"
+    elif context.padding is not None and bool((~context.padding[:, :-1] & context.padding[:, 1:]).any()):
+        why = "padding before a real token: the indexer pools the padding's keys into its blocks"
+    if why is not None:
+        raise ValueError(
+            f"torch_impl.hf: MiniMax-M3's sparse layers cannot take {why}, so its picks depend on "
+            "what the padding rows or the queries that see no key hold, which each implementation "
+            "fills in its own way; pass right-padded or unpadded rows"
+        )
 
 
 class _IndexKeys:
@@ -59,13 +80,7 @@ class BlockIndexer:
         if past_key_values is not None:
             raise ValueError("torch_impl.hf: MiniMax-M3's sparse layers take no KV cache under CP")
         context = RUNNING.context
-        if context.documents is not None:  # (every rank alike: the documents are the gathered rows')
-            raise ValueError(
-                "torch_impl.hf: MiniMax-M3's sparse layers anchor their blocks to key slots from row 0 "
-                "and compare them with position_ids: in packed rows (position_ids restarting) a "
-                "query's picks fall in earlier documents' blocks and most queries see no key, which "
-                "each implementation fills in its own way; pass unpacked rows or an attention_mask"
-            )
+        check_rows(context)
         own = _IndexKeys(self.layer_idx)
         # its own keys, against one key: positions 0 keep its local blocks in that one block's range
         super().forward(hidden_states, position_embeddings, own, torch.zeros_like(position_ids))
@@ -88,32 +103,28 @@ def block_sparse_attention(module, query, key, value, mask, block_indices, **kwa
     """A MiniMax-M3 sparse layer on rank r: query [B, H, L, D] over the keys its indexer's blocks
     hold. K and V of the whole sequence arrive with autograd (the full layers' fetch; backward:
     their gradients go back to their owners); per local chunk, the model's own `build_block_mask`
-    over the chunk's keys [0, end) with its causal, padding and document rule, then the model's
-    own attention function. Returns ([B, L, H, D], None)."""
-    from torch_impl.hf.attention import fetch_kv  # (attention imports this module)
-
-    setup, position_ids = module.context_parallel, kwargs.get("position_ids")
-    key, value = fetch_kv(mask.context, key, value, mask.reach)  # [B, Hkv, S, D]: reach None
+    over the chunk's keys [0, end) joined with the chunk's causal and padding rule, then the
+    model's own attention function. Returns ([B, L, H, D], None)."""
+    assert mask.reach is None, mask.reach  # block ids count key slots from row 0 (no packed rows)
+    setup, position_ids, B = module.context_parallel, kwargs.get("position_ids"), query.shape[0]
+    key, value = fetch_kv(mask.context, key, value, mask.reach)  # [B, Hkv, S, D]
     outs = []
     for keys in mask.chunks:
-        w = keys.chunk
+        w, rows = keys.chunk, keys.chunk.queries
         q = torch.arange(w.start, w.end, device=query.device)[:, None]
         k = torch.arange(w.first_key, w.end, device=query.device)[None]
         seen = (k <= q)[None]  # [1, C, T]
         if keys.padding is not None:
             seen = seen & keys.padding[:, None, :]
-        if keys.documents is not None:
-            seen = seen & (keys.documents[:, None, :] == keys.documents[:, w.halo :, None])
-        B, rows = query.shape[0], w.queries
         dense = module.indexer.build_block_mask(
-            block_indices[:, :, rows],
+            block_indices[:, :, rows],  # [B, H_idx, C, topk]
             seen.expand(B, -1, -1)[:, None],  # [B, 1, C, T] bool
             k.shape[-1],
             query.dtype,
             query.device,
             None if position_ids is None else position_ids[:, rows],  # (read only without a mask)
         )  # [B, H, C, T] additive
-        kv = key[:, :, keys.rows], value[:, :, keys.rows]
+        kv = key[:, :, keys.rows], value[:, :, keys.rows]  # [B, Hkv, T, D] each
         out, _ = setup.attend(module, query[:, :, rows], *kv, dense, **kwargs)
         outs.append(out)  # [B, C, H, D]
     return torch.cat(outs, dim=1), None
@@ -121,7 +132,8 @@ def block_sparse_attention(module, query, key, value, mask, block_indices, **kwa
 
 def own_block_mask(module, query, key, attention_mask, block_indices, position_ids=None, **kwargs):
     """An unsharded call's mask for a sparse layer: the one the model makes itself with eager and
-    sdpa attention (not with another implementation, such as this adapter's), from the picks."""
+    sdpa attention (not with another implementation, such as this adapter's), from the picks.
+    kwargs: the attention call's others."""
     if position_ids is None:  # the model's own default
         position_ids = torch.arange(key.shape[2] - query.shape[2], key.shape[2], device=query.device)
     position_ids = (position_ids if position_ids.ndim > 1 else position_ids[None]).expand(query.shape[0], -1)

@@ -18,9 +18,10 @@ function with its sinks.
 import inspect
 
 import torch
+import torch.nn.functional as F
 
 from torch_impl.halo import gather_halo
-from torch_impl.hf._common import RUNNING, stepping_aside
+from torch_impl.hf._common import RUNNING, fetch_kv, stepping_aside
 from torch_impl.sequence import gather_sequence
 
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
@@ -90,31 +91,29 @@ class CompressedEntries:
         indexer's for CSA, without autograd: it is not trained), in order."""
         context, m = RUNNING.context, self.compress_rate
         shard, (B, _, _) = context.shard, hidden_states.shape
-        overlap = hasattr(self, "indexer")  # CSA: a window's entry also reads the window before it
+        overlap = int(hasattr(self, "indexer"))  # CSA: a window's entry also reads the window before
         C, slots, made = shard.chunk_len, -(-shard.chunk_len // m), []  # slots: most windows a chunk owns
         # per global chunk, the tokens before it that its first window (CSA: and the one before) reads
         reach = tuple(c * C - max(0, c * C // m - overlap) * m for c in range(shard.num_chunks))
-        fetched = gather_halo(hidden_states, context.group, reach, layout=shard.layout)
+        fetched = gather_halo(hidden_states, context.group, reach, layout=shard.layout)  # [B, T', hidden]
+        q_rank = self.indexer.q_b_proj.in_features if overlap else 1  # the indexer's q_residual width
         for w in shard.windows(reach):
             owned = range(w.start // m, w.end // m)  # the windows whose last token is in the chunk
             first = w.first_key  # their first token, or CSA's window before
-            rows = w.segment
             making = _Windows(layer_idx, m, first, skip=owned.start - first // m)
-            dummy = self.indexer.q_b_proj.in_features if overlap else 1
-            h = fetched[:, rows]
-            zeros = h.new_zeros((B, h.shape[1], dummy))  # q_residual: the indexer's scores go unused
+            h = fetched[:, w.segment]  # [B, end - first, hidden]
+            zeros = h.new_zeros((B, h.shape[1], q_rank))  # q_residual: the indexer's scores go unused
             super().forward(h, zeros, zeros[..., 0].long(), making, layer_idx)
             parts = [making.made["compressor"]] + ([making.made["indexer"].detach()] if overlap else [])
             part = torch.cat(parts, dim=-1)  # [B, len(owned), D (+ Di)]
-            made.append(torch.nn.functional.pad(part, (0, 0, 0, slots - len(owned))))
+            made.append(F.pad(part, (0, 0, 0, slots - len(owned))))  # [B, slots, D (+ Di)]
         gathered = gather_sequence(torch.cat(made, dim=1), context.group, layout=shard.layout)
         count = [(c + 1) * C // m - c * C // m for c in range(shard.num_chunks)]
         keep = torch.cat([torch.arange(c * slots, c * slots + k) for c, k in enumerate(count)])
         entries = gathered[:, keep.to(gathered.device)]  # [B, T, D (+ Di)]
-        D = self.head_dim
         if not overlap:
             return {"compressor": entries}
-        return {"compressor": entries[..., :D], "indexer": entries[..., D:]}
+        return {"compressor": entries[..., : self.head_dim], "indexer": entries[..., self.head_dim :]}
 
 
 def compressed_attention(module, query, key, value, mask, **kwargs):
@@ -128,11 +127,9 @@ def compressed_attention(module, query, key, value, mask, **kwargs):
     if value is not key:
         raise ValueError(f"torch_impl.hf: {type(module).__name__} passed different keys and values")
     context, (B, _, L, _) = mask.context, query.shape
-    from torch_impl.hf.attention import fetch_kv  # (attention imports this module)
-
     own, entries = key[:, :, :L], key[:, :, L:]  # [B, 1, L, D], [B, 1, T, D]
     fetched, _ = fetch_kv(context, own, own, mask.reach)  # [B, 1, T', D]: sent once, K is V
-    visible = module.compressor.visible  # [B, L, T], or None without entries
+    visible, module.compressor.visible = module.compressor.visible, None  # [B, L, T], or None
     if visible is None:
         visible = torch.zeros((B, L, 0), dtype=torch.bool, device=query.device)
     outs, block = [], module.compressor.query_block
@@ -143,7 +140,7 @@ def compressed_attention(module, query, key, value, mask, **kwargs):
             k0 = w.first_key if mask.window is None else max(w.first_key, q0 - mask.window + 1)
             local = slice(w.queries.start + q0 - w.start, w.queries.start + q1 - w.start)
             cut = slice(k0 - w.first_key, q1 - w.first_key)  # the block's keys among the chunk's
-            seen = _window_rule(keys, mask.window, range(q0, q1), range(k0, q1), cut, query.device)
+            seen = _window_rule(keys, mask.window, range(q0, q1), cut, query.device)  # [B or 1, block, Tb]
             both = torch.cat([fetched[:, :, keys.rows][:, :, cut], entries], dim=2)  # [B, 1, Tb + T, D]
             seen = torch.cat([seen.expand(B, -1, -1), visible[:, local]], dim=-1)  # [B, block, Tb + T]
             out, _ = _attend(module, query[:, :, local], both, seen, kwargs)
@@ -151,19 +148,18 @@ def compressed_attention(module, query, key, value, mask, **kwargs):
     return torch.cat(outs, dim=1), None
 
 
-def _window_rule(keys, window, queries, rows, cut, device):
-    """bool [B or 1, q, k]: the sliding layer's rule for queries at global rows `queries` over keys
-    at `rows` (their ChunkKeys columns `cut`): causal, within the window, not padding, the same
-    document."""
+def _window_rule(keys, window, queries, cut, device):
+    """bool [B or 1, q, k]: the sliding layer's rule for queries at global rows `queries` over the
+    keys of ChunkKeys columns `cut`: causal, within the window, not padding, the same document."""
+    first = keys.chunk.first_key
     q = torch.arange(queries.start, queries.stop, device=device)[:, None]
-    k = torch.arange(rows.start, rows.stop, device=device)[None]
+    k = torch.arange(first + cut.start, first + cut.stop, device=device)[None]
     seen = (k <= q)[None]  # [1, q, k]
     if window is not None:
         seen = seen & (q - k < window)
     if keys.padding is not None:
         seen = seen & keys.padding[:, None, cut]
     if keys.documents is not None:
-        first = keys.chunk.first_key
         own = keys.documents[:, queries.start - first : queries.stop - first]  # [B, q]
         seen = seen & (keys.documents[:, None, cut] == own[:, :, None])
     return seen

@@ -196,7 +196,12 @@ def _attention_setup(name, module, group, layout, dense=False):
         if not is_block_sparse(module):
             raise _refuse(name, module, f"is a {BLOCK_SPARSE!r} layer without MiniMax-M3's indexer")
         if module.indexer.local_blocks > module.indexer.topk_blocks:  # ties among its kept blocks
-            raise _refuse(name, module, "keeps more local blocks than its top-k, which ties break by length")
+            raise _refuse(
+                name,
+                module,
+                "keeps more local blocks than its top-k: they tie (+inf), and top-k's choice among them "
+                "depends on how many keys it scores",
+            )
     implementation = module.config._attn_implementation
     if implementation == "sdpa":
         attend = ALL_ATTENTION_FUNCTIONS["sdpa"]
