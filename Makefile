@@ -21,7 +21,7 @@ demo-routing: $(STAMP)
 	$(PY) -m examples.routing_table
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" --durations=30
 
 # the suite with its long cases (compiled training, a second main job per layout, ...)
 test-all: $(STAMP)
