@@ -9,7 +9,7 @@ forward and backward; the parity suite checks it against them.
 |-------------------|---------------------------------------|----------------------------------------------|
 | `gather_sequence` | `all_gather(tiled=True)` on axis 1    | `psum_scatter`: owner gets the sum of grads  |
 | `gather_halo`     | `ppermute` shifts 1, 2, ... of tails  | `ppermute` with the inverse permutation; a   |
-|                   |                                       | device that received nothing drops its grad  |
+|                   | (a lookahead: -1, -2, ... of heads)   | device that received nothing drops its grad  |
 | `gather_metadata` | `all_gather` under `stop_gradient`    | none (zero cotangent)                        |
 | `gather_state`    | `all_gather` of each chunk's affine   | `psum_scatter`: each map's gradient summed   |
 |                   | map, folded in global chunk order     | on its owner                                 |
@@ -57,6 +57,16 @@ so ``halo_size[c]`` is that distance (capped by the window). The output keeps th
 a device's positions before its own h_c are zero, and their gradient goes nowhere. n=3, L=2,
 halo_size=(0, 1, 3): device 0 -> [. . . | 0 1], device 1 -> [. . 1 | 2 3] (token 0 is not in its
 window), device 2 -> [1 2 3 | 4 5].
+
+Lookahead (``lookahead``: an int or one per global chunk), the mirror of the window: the tokens
+*after* each chunk, from later devices (Gemma 3's image tokens see every token of their image,
+later ones included). Each chunk's segment is then its window, the chunk, the a_c = min(lookahead,
+S - (c+1)*C) tokens after it (S = n*L), and zeros up to the longest at that place; the shifts go
+-1, -2, ..., each sending the start of chunk c + s. n=3, L=2, halo_size=1, lookahead=3:
+
+    device 0 holds [0 1]   gather_halo -> [. 0 1 | 2 3 4]
+    device 1 holds [2 3]   gather_halo -> [1 2 3 | 4 5 .]
+    device 2 holds [4 5]   gather_halo -> [3 4 5 | . . .]
 
 Recurrent state (``gather_state``). A linear recurrence (Gated DeltaNet, KDA, Mamba) carries a
 state of fixed size along the sequence, and over one chunk it is an affine map of the state it
@@ -133,10 +143,10 @@ def _check_count(name, value):
         raise ValueError(f"`{name}` must be a non-negative int, got {value!r}")
 
 
-def _check_halo_size(halo_size):
+def _check_halo_size(halo_size, name="halo_size"):
     """A non-negative int, or a tuple or list of them (one per global chunk)."""
     for h in halo_size if isinstance(halo_size, (tuple, list)) else (halo_size,):
-        _check_count("halo_size", h)
+        _check_count(name, h)
 
 
 def gather_sequence(x, axis_name, layout="contiguous"):
@@ -147,68 +157,93 @@ def gather_sequence(x, axis_name, layout="contiguous"):
     return _global_order(gathered, lax.axis_size(axis_name), layout)
 
 
-def halo_rows(n, L, r, halo_size, left_padding=0, layout="contiguous"):
+def halo_rows(n, L, r, halo_size, left_padding=0, layout="contiguous", lookahead=0):
     """The definition of gather_halo: the global token at each position of device r's output (-1:
     a zero). Per local chunk (global chunk c of C tokens): left_padding zeros, zeros up to the
     longest window among the devices' chunks at that local place, the h_c = min(halo_size, c*C)
-    tokens before chunk c (halo_size[c] per chunk), then chunk c."""
+    tokens before chunk c (halo_size[c] per chunk), chunk c, the a_c = min(lookahead, S - (c+1)*C)
+    tokens after it (lookahead[c] per chunk; S = n*L), then zeros up to the longest at that place."""
     held, count = chunks(layout, n, r), len(chunks(layout, n, 0))
-    C, reach = L // count, _per_chunk(halo_size, n * count)
+    C, reach, ahead = (
+        L // count,
+        _per_chunk(halo_size, n * count),
+        _per_chunk(lookahead, n * count, "lookahead"),
+    )
     rows = []
     for k, c in enumerate(held):
-        H = max(min(reach[d], d * C) for d in (chunks(layout, n, q)[k] for q in range(n)))
-        h = min(reach[c], c * C)
-        rows += [-1] * (left_padding + H - h) + list(range(c * C - h, (c + 1) * C))
+        places = [chunks(layout, n, q)[k] for q in range(n)]
+        H = max(min(reach[d], d * C) for d in places)
+        A = max(min(ahead[d], n * L - (d + 1) * C) for d in places)
+        h, a = min(reach[c], c * C), min(ahead[c], n * L - (c + 1) * C)
+        rows += [-1] * (left_padding + H - h) + list(range(c * C - h, (c + 1) * C + a)) + [-1] * (A - a)
     return rows
 
 
-def _per_chunk(halo_size, count):
-    """halo_size as one int per global chunk."""
+def _per_chunk(halo_size, count, name="halo_size"):
+    """halo_size (or lookahead) as one int per global chunk."""
     reach = tuple(halo_size) if isinstance(halo_size, (tuple, list)) else (halo_size,) * count
     if len(reach) != count:
-        raise ValueError(f"`halo_size` must be an int or one per global chunk ({count}), got {halo_size}")
+        raise ValueError(f"`{name}` must be an int or one per global chunk ({count}), got {halo_size}")
     return reach
 
 
-def gather_halo(x, axis_name, halo_size, left_padding=0, layout="contiguous"):
+def gather_halo(x, axis_name, halo_size, left_padding=0, layout="contiguous", lookahead=0):
     """x: [B, L, ...] -> [B, len(halo_rows(...)), ...]: at each position the global token that
     halo_rows names (zeros at -1), moved by ppermute. Chunk c's window is the tails of chunks
     c - 1, c - 2, ... (shift s: the last min(C, H - (s-1)*C) tokens of chunk c - s, H the longest
-    window at that local place), farthest first; a device keeps the last h_c positions of it.
-    Backward: ppermute's transpose returns each token's gradients to its owner, who adds them up.
+    window at that local place), farthest first; a device keeps the last h_c positions of it. Its
+    lookahead, the mirror: the heads of chunks c + 1, c + 2, ..., nearest first, of which a device
+    keeps the first a_c positions. Backward: ppermute's transpose returns each token's gradients
+    to its owner, who adds them up.
     """
     _check_shard(x, layout)
     _check_halo_size(halo_size)
+    _check_halo_size(lookahead, "lookahead")
     _check_count("left_padding", left_padding)
     n, L = lax.axis_size(axis_name), x.shape[1]
     held = [chunks(layout, n, r) for r in range(n)]
     C, count = L // len(held[0]), len(held[0])
-    reach = _per_chunk(halo_size, n * count)
+    reach, ahead = _per_chunk(halo_size, n * count), _per_chunk(lookahead, n * count, "lookahead")
     zeros = jnp.zeros((x.shape[0], left_padding, *x.shape[2:]), x.dtype)  # [B, left_padding, ...]
     segments = []
     for k in range(count):
         h = [min(reach[held[r][k]], held[r][k] * C) for r in range(n)]  # each device's h_c
-        H = max(h)
+        a = [min(ahead[held[r][k]], n * L - (held[r][k] + 1) * C) for r in range(n)]  # and a_c
+        H, A = max(h), max(a)
         shifts = range(math.ceil(H / C) if H else 0, 0, -1)  # farthest first (H > 0 implies C > 0)
-        window = [_tails(x, axis_name, held, k, s, min(C, H - (s - 1) * C)) for s in shifts]
-        if window and min(h) < H:  # keep this device's last h_c positions of the H received
-            kept = jnp.arange(H) >= H - jnp.asarray(h)[lax.axis_index(axis_name)]  # [H]
-            window = [jnp.where(kept.reshape(1, H, *(1,) * (x.ndim - 2)), jnp.concatenate(window, 1), 0)]
-        segments += [zeros, *window, x[:, k * C : (k + 1) * C]]
+        window = [_neighbour(x, axis_name, held, k, s, min(C, H - (s - 1) * C)) for s in shifts]
+        following = [
+            _neighbour(x, axis_name, held, k, -s, min(C, A - (s - 1) * C)) for s in range(1, -(-A // C) + 1)
+        ]
+        segments += [zeros, *_keep(window, h, axis_name, last=True), x[:, k * C : (k + 1) * C]]
+        segments += _keep(following, a, axis_name, last=False)
     return jnp.concatenate(segments, axis=1)
 
 
-def _tails(x, axis_name, held, k, s, length):
-    """[B, length, ...]: on each device the last `length` tokens of chunk c - s, c its k-th chunk
-    (zeros where there is none), by one ppermute per local chunk p of the senders."""
-    C = x.shape[1] // len(held[0])
+def _keep(pieces, lengths, axis_name, last):
+    """The pieces received for one local place, joined: [B, max(lengths), ...], of which each device
+    keeps its own length's last (a window) or first (a lookahead) positions, zeros elsewhere."""
+    if not pieces or min(lengths) == max(lengths):
+        return pieces
+    joined, M = jnp.concatenate(pieces, 1), max(lengths)
+    mine = jnp.asarray(lengths)[lax.axis_index(axis_name)]
+    kept = jnp.arange(M) >= M - mine if last else jnp.arange(M) < mine  # [M]
+    return [jnp.where(kept.reshape(1, M, *(1,) * (joined.ndim - 2)), joined, 0)]
+
+
+def _neighbour(x, axis_name, held, k, s, length):
+    """[B, length, ...]: on each device the `length` tokens of chunk c - s nearest to chunk c, c its
+    k-th chunk: the end of an earlier chunk (s > 0) or the start of a later one (s < 0); zeros
+    where there is none. One ppermute per local chunk p of the senders."""
+    C, N = x.shape[1] // len(held[0]), len(held) * len(held[0])
     owner = {c: (r, p) for r, cs in enumerate(held) for p, c in enumerate(cs)}  # chunk -> (device, place)
-    wanted = {dst: owner[cs[k] - s] for dst, cs in enumerate(held) if cs[k] >= s}  # dst -> (src, p)
+    wanted = {dst: owner[cs[k] - s] for dst, cs in enumerate(held) if 0 <= cs[k] - s < N}  # dst -> (src, p)
     piece = 0
     for p in range(len(held[0])):
         pairs = [(src, dst) for dst, (src, q) in wanted.items() if q == p]
+        start = (p + 1) * C - length if s > 0 else p * C
         if pairs:
-            piece = piece + lax.ppermute(x[:, (p + 1) * C - length : (p + 1) * C], axis_name, pairs)
+            piece = piece + lax.ppermute(x[:, start : start + length], axis_name, pairs)
     return piece
 
 

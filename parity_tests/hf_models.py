@@ -194,6 +194,9 @@ def _configs(head_dim=8):
         ),
         # MiniMax-M3's block-sparse layers beside full ones (the sweep's tiny config)
         "minimax_m3": lambda: zoo.build("minimax_m3_vl_text"),
+        # Inkling's relative logits and short convs (the sweep's; Inkling2's router runs in float32,
+        # which a float64 model cannot)
+        "inkling": lambda: zoo.build("inkling_text"),
         # refused by parallelize
         "t5": lambda: tf.T5ForConditionalGeneration(
             tf.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=1, num_heads=4)

@@ -352,6 +352,27 @@ MUTATIONS += [
         "h = fetched[:, w.segment] * (torch.arange(w.end - first) >= w.start - first)[None, :, None]",
         ("parity_tests/test_models.py", "-k", "family_equals and deepseek_v4"),
     ),
+    Mutation(  # gather_halo's lookahead: a later chunk sends its end instead of its start
+        "lookahead_sends_the_chunk_end",
+        "torch_impl/halo.py",
+        "plan.append(Transfer(src, shard.r, c * C - w.first_key, length, p * C, k))",
+        "plan.append(Transfer(src, shard.r, c * C - w.first_key, length, (p + 1) * C - length, k))",
+        ("parity_tests/test_parity_layouts.py", "-k", "lookahead", "-x"),
+    ),
+    Mutation(  # Inkling: a key's relative bias read at its distance from the chunk's first key
+        "relative_bias_at_a_local_distance",
+        "torch_impl/hf/inkling.py",
+        "k = torch.arange(first + cut.start, first + cut.stop, device=query.device)",
+        "k = torch.arange(cut.start, cut.stop, device=query.device)",
+        ("parity_tests/test_models.py", "-k", "family_equals and inkling2_text"),
+    ),
+    Mutation(  # Inkling2: the token-dependent conv of a chunk's first tokens without the earlier rank's
+        "token_conv_without_its_halo",
+        "torch_impl/hf/inkling.py",
+        "halo = fetched[:, w.segment][:, :before]",
+        "halo = torch.zeros_like(fetched[:, w.segment][:, :before])",
+        ("parity_tests/test_models.py", "-k", "family_equals and inkling2_text"),
+    ),
     Mutation(  # DeepSeek V4: entries of windows not closed yet (HCA's; CSA's indexer) seen by a query
         "compressed_entry_seen_before_its_window_closes",
         "torch_impl/hf/compressed.py",

@@ -51,6 +51,7 @@ def test_train_mode_and_activation_checkpointing_give_the_same_grads(pool, name,
     assert_matches_reference(group_results, ref)
 
 
+@pytest.mark.slow  # inductor compiles the layers (about 80 s): `make test-all`
 def test_compiled_layers_with_activation_checkpointing(pool):
     """inductor + activation checkpointing with hf.checkpoint_kwargs(): the same grads. (With
     transformers' default checkpointing, the compiled recomputation drops rank 0's empty halo

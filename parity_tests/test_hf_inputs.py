@@ -366,6 +366,7 @@ def test_host_reads_per_forward(pool, name, packed, validate, sites):
         ("bamba", "contiguous"),
         ("minimax", "head_tail"),
         ("minimax_m3", "head_tail"),
+        ("inkling", "contiguous"),
     ],
 )
 def test_unsharded_calls_run_as_one_process(pool, name, layout):

@@ -122,6 +122,10 @@ def test_jax_grad_of_a_loss_through_halo_and_sequence():
             lambda x: jax_reference.gather_halo(x, "cp", 2, -3),
             "`left_padding` must be a non-negative int, got -3",
         ),
+        (
+            lambda x: jax_reference.gather_halo(x, "cp", 2, lookahead=(1, -1)),
+            "`lookahead` must be a non-negative int, got -1",
+        ),
         (lambda x: jax_reference.gather_halo(x[0], "cp", 2), r"`x` must be \[batch, local_sequence, ...\]"),
         (lambda x: jax_reference.gather_sequence(x[0], "cp"), r"ndim >= 2\), got shape \(3,\)"),
         (lambda x: jax_reference.gather_metadata(x[0], "cp"), r"ndim >= 2\), got shape \(3,\)"),
@@ -222,15 +226,18 @@ def definition_cases():
         for layout, L in (("contiguous", 3), ("head_tail", 4)):
             chunks = n * (2 if layout == "head_tail" else 1)
             for halo_size in (0, 1, 5, 2 * n * L, tuple(int(h) for h in rng.integers(0, 2 * L, chunks))):
-                yield n, layout, L, halo_size, 1 if n % 2 else 0
+                yield n, layout, L, halo_size, 1 if n % 2 else 0, 0
+            # a lookahead: one token, past the next chunk, past the end, one per chunk
+            for lookahead in (1, L + 1, 2 * n * L, tuple(int(a) for a in rng.integers(0, 2 * L, chunks))):
+                yield n, layout, L, 2, 0, lookahead
 
 
-@pytest.mark.parametrize("n,layout,L,halo_size,left_padding", list(definition_cases()))
-def test_gather_halo_is_its_definition(n, layout, L, halo_size, left_padding):
+@pytest.mark.parametrize("n,layout,L,halo_size,left_padding,lookahead", list(definition_cases()))
+def test_gather_halo_is_its_definition(n, layout, L, halo_size, left_padding, lookahead):
     """The ppermute implementation gives, on every device, the global tokens halo_rows names, zeros
     at -1; and every token's gradient is the sum of the cotangents at the positions naming it."""
     x = expected.stamped((2, n * L, 3), np.float32)  # global order
-    kwargs = dict(halo_size=halo_size, left_padding=left_padding, layout=layout)
+    kwargs = dict(halo_size=halo_size, left_padding=left_padding, layout=layout, lookahead=lookahead)
     rows = [jax_reference.halo_rows(n, L, r, **kwargs) for r in range(n)]
     ct = expected.small_ints(np.random.default_rng(n), (n, 2, len(rows[0]), 3), np.float32)
     y, grad = jax_harness.run("gather_halo", expected.device_order(x, n, layout), n, ct, **kwargs)

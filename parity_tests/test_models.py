@@ -30,6 +30,8 @@ QUICK = {  # family: (what it exercises, its verdict)
     "dots3_note_text": ("DeepSeek Sparse Attention beside sliding MLA layers", "exact"),
     "deepseek_v4": ("compressed entries (CSA's indexer, HCA) beside a sliding window, with sinks", "exact"),
     "minimax_m3_vl_text": ("MiniMax-M3's block-sparse layers: top-k blocks per KV head", "exact"),
+    "inkling_text": ("relative logits by distance; queries log-scaled by their row; short convs", "exact"),
+    "inkling2_text": ("relative logits, per-query sinks, keys and values convolved per token", "exact"),
     "opt": ("a causal LM calling its decoder directly; positions counting real tokens", "exact"),
     "roberta": ("positions from the padding index and the pad tokens", "exact"),
     "gemma3": ("a multimodal model given text", "exact"),
@@ -119,13 +121,14 @@ STATE_SPACE = (
     "zaya",
     "qwen4_exp_text",
     "deepseek_v4",
+    "inkling2_text",
 )
 
 
 @pytest.mark.parametrize("family", STATE_SPACE)
 def test_state_space_families_on_four_ranks_with_checkpointing(pool, family):
-    """The Mamba2, Mamba and lightning-attention families (and Qwen4, DeepSeek V4: QSA's blocks and
-    the compressed windows span ranks)
+    """The Mamba2, Mamba and lightning-attention families (and Qwen4, DeepSeek V4, Inkling2: QSA's
+    blocks, the compressed windows and the relative logits span ranks)
     on 4 ranks (8 tokens a rank; head_tail: chunks of 4, so a state crosses three ranks), in train
     mode with activation checkpointing, every sweep case: exact."""
     for case in zoo.CASES:
@@ -134,15 +137,22 @@ def test_state_space_families_on_four_ranks_with_checkpointing(pool, family):
             assert result["verdict"] == "exact", (family, case, result)
 
 
-def test_deepseek_v4_in_query_blocks(pool):
-    """DeepSeek V4's compressed layers 5 queries at a time (blocks that cut the windows, the
-    window's keys and the chunks unevenly) on 2 ranks with checkpointing, every sweep case: exact."""
+@pytest.mark.parametrize("family", ["deepseek_v4", "inkling2_text"])
+def test_query_blocks(pool, family):
+    """DeepSeek V4's compressed layers and Inkling2's relative-logit ones 5 queries at a time
+    (blocks that cut the windows, the window's keys and the chunks unevenly) on 2 ranks with
+    checkpointing, every sweep case: exact."""
     for case in zoo.CASES:
-        ranks = pool.run(
-            ("first", 2), zoo_cases.compare_in_query_blocks, "deepseek_v4", case, 5, timeout=120
-        )[0]
+        ranks = pool.run(("first", 2), zoo_cases.compare_in_query_blocks, family, case, 5, timeout=120)[0]
         for result in ranks:
             assert result["verdict"] == "exact", (case, result)
+
+
+def test_inkling_refuses_more_local_rows_than_its_log_scaling_floor(pool):
+    """Inkling scales its full layers' queries by the rank's local rows: past log_scaling_n_floor
+    tokens a rank (16 here, the floor 8) it would scale them by the wrong rows; every rank says so."""
+    for message in pool.run(("first", 2), zoo_cases.floor_refusal, 8, timeout=120)[0]:
+        assert "scales its queries by the rank's local rows" in message, message
 
 
 def test_minimax_m3_refuses_left_padding(pool):

@@ -5,6 +5,7 @@ within what)."""
 import numpy as np
 import pytest
 
+import jax_reference
 from parity_tests import expected, jax_harness, torch_cases
 from parity_tests.parity_checks import (
     DATA,
@@ -47,6 +48,62 @@ def check_head_tail_halo(pool, n, C, batch, trailing, dtype, kind, transport):
 @pytest.mark.parametrize("n,C,batch,trailing,dtype", HEAD_TAIL, ids=str)
 def test_head_tail_halo_parity(pool, n, C, batch, trailing, dtype, kind, transport):
     check_head_tail_halo(pool, n, C, batch, trailing, dtype, kind, transport)
+
+
+@pytest.mark.parametrize("transport", HALO_PATHS)
+@pytest.mark.parametrize("layout", ["contiguous", "head_tail"])
+@pytest.mark.parametrize("n,C", [(2, 3), (3, 2), (4, 1)])
+def test_lookahead_parity(pool, n, C, layout, transport):
+    """gather_halo's lookahead (the tokens after each chunk, from the later ranks that hold them:
+    the rest of an image) against JAX's: a window and one token ahead, ahead into the chunk after
+    the next, past the sequence's end, one per chunk; each rank's output is JAX's without its
+    static zeros, and the gradients (integer-valued) are equal."""
+    L, chunks = (C, n) if layout == "contiguous" else (2 * C, 2 * n)
+    combos = [
+        (0, 1),
+        (1, C + 1),
+        (2, 3 * C),
+        (0, 2 * n * L),
+        (C, tuple((2 * c + 1) % (2 * C + 1) for c in range(chunks))),
+    ]
+    rng = np.random.default_rng(n)
+    x = make_data("integer", (2, n * L, 3), "float32", rng)  # device order
+    rows = [
+        [np.array(jax_reference.halo_rows(n, L, r, h, 0, layout, a)) for r in range(n)] for h, a in combos
+    ]
+    cts = [make_cotangent("integer", (n, 2, len(held[0]), 3), "float32", rng) for held in rows]
+    for ct, held in zip(cts, rows, strict=True):
+        for r in range(n):
+            ct[r][:, held[r] < 0] = 0  # JAX's static zeros: no torch position
+    ys, grads = jax_harness.run_many(
+        "gather_halo",
+        jax_array(x, "float32"),
+        n,
+        [{"halo_size": h, "lookahead": a, "layout": layout} for h, a in combos],
+        [jax_array(ct, "float32") for ct in cts],
+    )
+    configs = [
+        {
+            "x": x,
+            "dtype": "float32",
+            "halo_size": h,
+            "left_padding": 0,
+            "layout": layout,
+            "lookahead": a,
+            "cotangents": [ct[r][:, held[r] >= 0] for r in range(n)],
+        }
+        for (h, a), ct, held in zip(combos, cts, rows, strict=True)
+    ]
+    results = pool.run(grouping_for(n, C), torch_cases.halo, configs, transport)
+    for i, (h, a) in enumerate(combos):
+        for g, r, res in ((g, r, res[i]) for g, rs in enumerate(results) for r, res in enumerate(rs)):
+            where = f"{layout} n={n} C={C} halo_size={h} lookahead={a} group {g} rank {r}"
+            real = ys[i][r][:, rows[i][r] >= 0]
+            np.testing.assert_array_equal(as_numpy(res["y"]), real, err_msg=where)
+            np.testing.assert_array_equal(
+                as_numpy(res["grad"]), grads[i][:, r * L : (r + 1) * L], err_msg=where
+            )
+            assert not res["mutated"] and not res["cotangent_mutated"], where
 
 
 def per_chunk_halos(n, C, layout):

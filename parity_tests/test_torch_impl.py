@@ -219,6 +219,14 @@ BAD_CALLS = [
         "`halo_size` must be a non-negative int, got -1",
     ),
     (
+        ("gather_halo", (1, 4), "float32", False, {"halo_size": 1, "lookahead": -1}),
+        "`lookahead` must be a non-negative int, got -1",
+    ),
+    (
+        ("gather_halo", (1, 4), "float32", False, {"halo_size": 1, "lookahead": (1, 2, 3)}),
+        r"`lookahead` must be a non-negative int or one per global chunk",
+    ),
+    (
         ("gather_halo", (1, 4), "float32", False, {"halo_size": 1, "left_padding": -2}),
         "`left_padding` must be a non-negative int, got -2",
     ),

@@ -57,8 +57,9 @@ def _transport(name):
 
 
 def _layout(config):
-    """The layout keyword where a configuration names one (the mutants take none)."""
-    return {"layout": config["layout"]} if "layout" in config else {}
+    """The layout (and gather_halo's lookahead) keywords where a configuration names them (the
+    mutants take none)."""
+    return {key: config[key] for key in ("layout", "lookahead") if key in config}
 
 
 def halo(group, configs, transport="torch_impl.gather_halo"):

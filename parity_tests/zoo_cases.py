@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 from parity_tests import bounds, zoo
 from torch_impl import hf
 from torch_impl.hf.compressed import CompressedEntries
+from torch_impl.hf.inkling import RelativeTable
 from torch_impl.hf.inputs import TYPE_KEYS
 from torch_impl.layout import ShardPlan
 
@@ -146,13 +147,15 @@ def compare(group, model_type, case, cp=True, checkpointing=False, task="causal_
 
 
 def compare_in_query_blocks(group, model_type, case, block):
-    """`compare` with DeepSeek V4's compressed layers running `block` queries at a time (their
-    default, 256, is more than the sweep's shards hold)."""
-    default, CompressedEntries.query_block = CompressedEntries.query_block, block
+    """`compare` with the layers that run their queries in blocks (DeepSeek V4's compressed ones,
+    Inkling's relative-logit ones) running `block` queries at a time (their default, 256, is more
+    than the sweep's shards hold)."""
+    defaults = CompressedEntries.query_block, RelativeTable.query_block
+    CompressedEntries.query_block = RelativeTable.query_block = block
     try:
         return compare(group, model_type, case, True, True)
     finally:
-        CompressedEntries.query_block = default
+        CompressedEntries.query_block, RelativeTable.query_block = defaults
 
 
 def left_padding_refusal(group, model_type):
@@ -161,6 +164,19 @@ def left_padding_refusal(group, model_type):
     hf.parallelize(model, group, verbose=False)
     try:
         model(**hf.shard_batch(zoo.padded_batch(model.config, left=True), group))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def floor_refusal(group, floor):
+    """The message with which Inkling, its log scaling from row `floor` on, refuses a padded batch
+    (None: ran)."""
+    model = zoo.build("inkling_text")
+    model.config.log_scaling_n_floor = floor
+    hf.parallelize(model, group, verbose=False)
+    try:
+        model(**hf.shard_batch(zoo.padded_batch(model.config), group))
     except ValueError as e:
         return str(e)
     return None

@@ -17,15 +17,21 @@ class Transfer(NamedTuple):
     `dst`'s chunks."""
 
     src: int  # group rank that owns the tokens
-    dst: int  # group rank whose chunk's window holds them, at window positions [dst_start, + length)
-    dst_start: int
+    dst: int  # group rank whose chunk's window holds them, at [dst_start, + length) from the window's start
+    dst_start: int  # (past the window and the chunk: the lookahead's)
     length: int
-    src_start: int  # src's local rows [src_start, src_start + length): the end of one of its chunks
+    src_start: (
+        int  # src's local rows [src_start, + length): the end of one of its chunks (the start: lookahead)
+    )
     dst_chunk: int = 0  # which of dst's local chunks (head_tail: 0 head, 1 tail)
 
 
 def halo_plan(
-    world_size: int, local_len: int, halo_size: int | Sequence[int], layout: str = "contiguous"
+    world_size: int,
+    local_len: int,
+    halo_size: int | Sequence[int],
+    layout: str = "contiguous",
+    lookahead: int | Sequence[int] = 0,
 ) -> tuple[Transfer, ...]:
     """Every transfer of a halo exchange, for both directions: forward src -> dst, backward dst -> src.
 
@@ -34,14 +40,15 @@ def halo_plan(
     Each earlier chunk it overlaps, nearest first, gives the rows of it past first_key: the end of
     that chunk, on the rank that holds it. Contiguous: chunk r is rank
     r's shard (C = L), so rank r - s sends its tail. A transfer with src == dst (head_tail: rank
-    n-1's tail reaching its own head) is a local copy.
+    n-1's tail reaching its own head) is a local copy. The lookahead, the mirror (the a_c tokens
+    after chunk c): each later chunk it overlaps, nearest first, gives its start.
     """
     shards = [ShardPlan.of(layout, world_size, r, local_len) for r in range(world_size)]
     C = shards[0].chunk_len
     owner = {c: (shard.r, k) for shard in shards for k, c in enumerate(shard.chunks)}
     plan = []
     for shard in shards:
-        for k, w in enumerate(shard.windows(halo_size)):
+        for k, w in enumerate(shard.windows(halo_size, lookahead=lookahead)):
             for c in range(w.chunk - 1, -1, -1):  # the chunks before, nearest first
                 lo = max(c * C, w.first_key)  # global rows [lo, (c+1)C) of chunk c are in the window
                 if lo >= (c + 1) * C:
@@ -49,6 +56,10 @@ def halo_plan(
                 src, p = owner[c]
                 length = (c + 1) * C - lo
                 plan.append(Transfer(src, shard.r, lo - w.first_key, length, (p + 1) * C - length, k))
+            for c in range(w.chunk + 1, w.chunk + 1 + -(-w.after // C)):  # the chunks after, nearest first
+                src, p = owner[c]
+                length = min(C, w.end + w.after - c * C)  # global rows [cC, cC + length)
+                plan.append(Transfer(src, shard.r, c * C - w.first_key, length, p * C, k))
     return tuple(plan)
 
 
@@ -127,7 +138,7 @@ def _halo_backward(grad, group, plan, windows):
     return local.transpose(0, 1)  # [B, L, ...]
 
 
-def halo_all_to_all(x, group, halo_size, left_padding=0, layout="contiguous"):
+def halo_all_to_all(x, group, halo_size, left_padding=0, layout="contiguous", lookahead=0):
     """gather_halo's exchange as one functional all_to_all_single: the path torch.compile traces.
 
     Each rank sends every peer the pieces that peer's windows need (in plan order) and receives its
@@ -137,7 +148,8 @@ def halo_all_to_all(x, group, halo_size, left_padding=0, layout="contiguous"):
     adds it onto the rows it came from. Same arguments and result as gather_halo.
     """
     n, r, L = _group.world_size(group), _group.rank(group), x.shape[1]
-    plan, windows = halo_plan(n, L, halo_size, layout), ShardPlan.of(layout, n, r, L).windows(halo_size)
+    plan = halo_plan(n, L, halo_size, layout, lookahead)
+    windows = ShardPlan.of(layout, n, r, L).windows(halo_size, lookahead=lookahead)
     xs = x.transpose(0, 1)  # [L, B, ...]
     outgoing = [[t for t in plan if t.src == r and t.dst == peer != r] for peer in range(n)]
     incoming = [[i for i, t in enumerate(plan) if t.dst == r and t.src == peer != r] for peer in range(n)]
@@ -154,21 +166,24 @@ def halo_all_to_all(x, group, halo_size, left_padding=0, layout="contiguous"):
     # the graph (else autograd, or the compiler, drops the collective on that rank only)
     segments = [] if row else [received]
     for k, w in enumerate(windows):
-        window = [i for i, t in enumerate(plan) if t.dst == r and t.dst_chunk == k][::-1]  # farthest first
-        for i in window:
+        mine = [i for i, t in enumerate(plan) if t.dst == r and t.dst_chunk == k]  # nearest first
+        for i in mine:
             t = plan[i]
             if t.src == r:  # a piece of its own chunks
                 pieces[i] = xs[t.src_start : t.src_start + t.length]
-        segments += [zeros, *(pieces[i] for i in window), xs[w.queries]]
+        window = [pieces[i] for i in mine if plan[i].dst_start < w.halo][::-1]  # farthest first
+        after = [pieces[i] for i in mine if plan[i].dst_start >= w.halo]
+        segments += [zeros, *window, xs[w.queries], *after]
     return torch.cat(segments).transpose(0, 1)  # [B, sum_k (left_padding + h_k + C), ...]
 
 
 @functools.lru_cache(maxsize=1024)
-def _exchange(n, r, local_len, halo_size, left_padding, layout):
+def _exchange(n, r, local_len, halo_size, left_padding, layout, lookahead):
     """halo_plan and rank r's windows, computed once per shape and reach (every layer of a kind, and
-    every step of a run, asks the same; halo_size an int or a tuple)."""
-    return halo_plan(n, local_len, halo_size, layout), ShardPlan.of(layout, n, r, local_len).windows(
-        halo_size, left_padding
+    every step of a run, asks the same; halo_size and lookahead an int or a tuple)."""
+    shard = ShardPlan.of(layout, n, r, local_len)
+    return halo_plan(n, local_len, halo_size, layout, lookahead), shard.windows(
+        halo_size, left_padding, lookahead
     )
 
 
@@ -183,16 +198,16 @@ class _GatherHalo(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, group, halo_size, left_padding, layout):
+    def forward(ctx, x, group, halo_size, left_padding, layout, lookahead):
         n, r, L = _group.world_size(group), _group.rank(group), x.shape[1]
         ctx.group = group
-        ctx.plan, ctx.windows = _exchange(n, r, L, halo_size, left_padding, layout)
+        ctx.plan, ctx.windows = _exchange(n, r, L, halo_size, left_padding, layout, lookahead)
         return _halo_forward(x, group, ctx.plan, ctx.windows)
 
     @staticmethod
     def backward(ctx, grad_output):
         grad_x = _halo_backward(grad_output, ctx.group, ctx.plan, ctx.windows)
-        return grad_x, None, None, None, None
+        return grad_x, None, None, None, None, None
 
 
 def gather_halo(
@@ -202,9 +217,11 @@ def gather_halo(
     left_padding: int = 0,
     *,
     layout: str = "contiguous",
+    lookahead: int | Sequence[int] = 0,
     validate: bool | None = None,
 ) -> torch.Tensor:
-    """Prepend only the preceding causal window using point-to-point transport.
+    """Prepend only the preceding causal window using point-to-point transport (and append the
+    following tokens a lookahead asks).
 
     forward: p2p receives from the ranks that hold the window (ceil(halo_size/C) chunks at most,
     each sending only the end needed); backward: the same pieces' gradients sent back to their
@@ -221,12 +238,16 @@ def gather_halo(
             key tile with global key coordinates. It may differ between ranks.
         layout: "contiguous" (rank r holds global tokens [r*L, (r+1)*L)) or "head_tail" (chunks r
             and 2n-1-r of C = L/2 tokens; torch_impl.layout).
+        lookahead: most following tokens to fetch after each chunk (an int, or one per global
+            chunk), from the ranks that hold them (the heads of the next chunks): e.g. the rest of
+            an image whose tokens attend to each other (Gemma 3). The same on every rank.
         validate: check first that all CP ranks called with matching inputs (see
             torch_impl.validation); None follows the CP_TRANSPORT_VALIDATE environment variable.
 
     Returns:
         Per local chunk (global chunk c, C tokens), one after the other: left_padding zeros, the
-        h = min(c*C, halo_size) (or halo_size[c]) global tokens before the chunk, then the chunk; dtype
+        h = min(c*C, halo_size) (or halo_size[c]) global tokens before the chunk, the chunk, then
+        the a = min(S - (c+1)*C, lookahead) (or lookahead[c]) tokens after it (S = n*L); dtype
         of x. Contiguous: [batch, left_padding + h + L, ...] with h = min(r*L, halo_size), then x. Without
         CP it is x itself when left_padding == 0. With batch > 1 it is a strided view of a
         sequence-major buffer.
@@ -235,10 +256,11 @@ def gather_halo(
     tokens, the gradient of those tokens. The zeros' gradient is dropped.
     """
     group = _group.resolve_group(group)
-    validation.check("gather_halo", group, validate, x, halo_size, left_padding, layout)
+    validation.check("gather_halo", group, validate, x, halo_size, left_padding, layout, lookahead=lookahead)
     halo_size = halo_size if isinstance(halo_size, int) else tuple(halo_size)
+    lookahead = lookahead if isinstance(lookahead, int) else tuple(lookahead)
     if _group.world_size(group) == 1 and left_padding == 0 and layout == "contiguous":
-        return x
+        return x  # (a lookahead has nothing after the only chunk)
     if torch.compiler.is_compiling() and _group.world_size(group) > 1:
-        return halo_all_to_all(x, group, halo_size, left_padding, layout)
-    return _GatherHalo.apply(x, group, halo_size, left_padding, layout)
+        return halo_all_to_all(x, group, halo_size, left_padding, layout, lookahead)
+    return _GatherHalo.apply(x, group, halo_size, left_padding, layout, lookahead)

@@ -36,14 +36,16 @@ def check(layout: str, local_len: int | None = None) -> None:
 
 class Window(NamedTuple):
     """One local chunk's queries and the keys a layer of reach h gives them (global rows
-    [first_key, end): the h' = min(start, h) tokens before the chunk, then the chunk)."""
+    [first_key, end + after): the h' = min(start, h) tokens before the chunk, the chunk, and the
+    `after` tokens following it that a lookahead asks)."""
 
     chunk: int  # global chunk index c
     queries: slice  # the chunk's rows among the rank's local tokens
     start: int  # global row of its first token, c*C
     first_key: int  # global row of its first key, start - h'
     end: int  # one past its last token
-    segment: slice  # its rows in gather_halo(x, h, left_padding)'s output: zeros, window, chunk
+    segment: slice  # its rows in gather_halo(x, h, left_padding)'s output: zeros, window, chunk, after
+    after: int = 0  # how many tokens after the chunk (gather_halo's lookahead)
 
     @property
     def halo(self):
@@ -52,8 +54,8 @@ class Window(NamedTuple):
 
     @property
     def keys(self):
-        """Its keys' global rows [first_key, end), e.g. in a gathered sequence."""
-        return slice(self.first_key, self.end)
+        """Its keys' global rows [first_key, end + after), e.g. in a gathered sequence."""
+        return slice(self.first_key, self.end + self.after)
 
     @property
     def window_rows(self):
@@ -62,8 +64,9 @@ class Window(NamedTuple):
 
     @property
     def own(self):
-        """The chunk's rows within its segment (after the zeros and the window)."""
-        return slice(self.segment.stop - (self.end - self.start), self.segment.stop)
+        """The chunk's rows within its segment (after the zeros and the window, before the lookahead)."""
+        stop = self.segment.stop - self.after
+        return slice(stop - (self.end - self.start), stop)
 
 
 class ShardPlan(NamedTuple):
@@ -103,20 +106,26 @@ class ShardPlan(NamedTuple):
         """How many chunks the whole sequence has (n contiguous, 2n head_tail)."""
         return self.n if self.layout == "contiguous" else 2 * self.n
 
-    def windows(self, reach: int | Sequence[int] | None = None, left_padding: int = 0) -> tuple[Window, ...]:
+    def windows(
+        self,
+        reach: int | Sequence[int] | None = None,
+        left_padding: int = 0,
+        lookahead: int | Sequence[int] = 0,
+    ) -> tuple[Window, ...]:
         """Per local chunk, its Window for a layer that reaches `reach` tokens back (a window W:
         W - 1; a conv of kernel K: K - 1; None: the whole causal prefix, keys from row 0; a
-        sequence: reach[c] for global chunk c), with the segments of gather_halo(x, reach,
-        left_padding)'s output."""
-        C, row, out = self.chunk_len, 0, []
+        sequence: reach[c] for global chunk c) and `lookahead` tokens forward (an int, or
+        lookahead[c]), with the segments of gather_halo(x, reach, left_padding, lookahead=...)'s
+        output."""
+        C, S, row, out = self.chunk_len, self.n * self.local_len, 0, []
         for k, c in enumerate(self.chunks):
             start = c * C
             h = reach if reach is None or isinstance(reach, int) else reach[c]
+            a = min(lookahead if isinstance(lookahead, int) else lookahead[c], S - start - C)
             first_key = 0 if h is None else start - min(start, h)
-            length = left_padding + start - first_key + C
-            out.append(
-                Window(c, slice(k * C, (k + 1) * C), start, first_key, start + C, slice(row, row + length))
-            )
+            length = left_padding + start - first_key + C + a
+            rows = slice(row, row + length)
+            out.append(Window(c, slice(k * C, (k + 1) * C), start, first_key, start + C, rows, a))
             row += length
         return tuple(out)
 

@@ -4,9 +4,9 @@ Local checks run on every call and raise `ValueError` before any communication.
 
 Cross-rank validation (`validate=True`, or the environment variable CP_TRANSPORT_VALIDATE=1 for
 every call that leaves `validate` as None) first exchanges each rank's signature in one all-gather
-of a few int64s: the function called, and x's ndim, shape, dtype and device type, halo_size (a
-checksum when it is one per chunk), left_padding and the layout, and whether the rank's own checks
-passed. Ranks that disagree on anything but left_padding (a local padding that may differ per
+of a few int64s: the function called, and x's ndim, shape, dtype and device type, halo_size and
+lookahead (a checksum when one per chunk), left_padding and the layout, and whether the rank's
+own checks passed. Ranks that disagree on anything but left_padding (a local padding that may differ per
 rank) raise `ValueError` on every rank, naming them and their values, where the transport would
 otherwise hang or return garbage; a rank whose own arguments are wrong raises its own error after
 the exchange, and its peers raise one naming it.
@@ -51,17 +51,17 @@ def check_count(name, value):
         raise ValueError(f"`{name}` must be a non-negative int, got {value!r}")
 
 
-def check_halo_size(halo_size, layout, world_size):
+def check_halo_size(halo_size, layout, world_size, name="halo_size"):
     """One count for every chunk, or one per global chunk of the layout (n, or 2n under head_tail)."""
     if not isinstance(halo_size, (tuple, list)):
-        check_count("halo_size", halo_size)
+        check_count(name, halo_size)
         return
     for h in halo_size:
-        check_count("halo_size", h)
+        check_count(name, h)
     chunks = world_size if layout == "contiguous" else 2 * world_size
     if len(halo_size) != chunks:
         raise ValueError(
-            f"`halo_size` must be a non-negative int or one per global chunk ({chunks} for "
+            f"`{name}` must be a non-negative int or one per global chunk ({chunks} for "
             f"layout={layout!r} over {world_size} ranks), got {halo_size!r}"
         )
 
@@ -117,7 +117,14 @@ def check_reduction(function, x, mask=None, position=None):
 
 
 def check_local(
-    function, x, halo_size=None, left_padding=None, layout="contiguous", world_size=1, **reduction
+    function,
+    x,
+    halo_size=None,
+    left_padding=None,
+    layout="contiguous",
+    world_size=1,
+    lookahead=0,
+    **reduction,
 ):
     if function == "gather_state":
         check_state(x, layout)
@@ -128,6 +135,7 @@ def check_local(
         check_reduction(function, x, **reduction)
     if function == "gather_halo":
         check_halo_size(halo_size, layout, world_size)
+        check_halo_size(lookahead, layout, world_size, "lookahead")
         check_count("left_padding", left_padding)
     if function == "gather_metadata" and x.requires_grad:
         raise ValueError(
@@ -142,19 +150,29 @@ def enabled(validate):
     return bool(validate)
 
 
-def check(function, group, validate, x, halo_size=None, left_padding=None, layout="contiguous", **reduction):
+def check(
+    function,
+    group,
+    validate,
+    x,
+    halo_size=None,
+    left_padding=None,
+    layout="contiguous",
+    lookahead=0,
+    **reduction,
+):
     """The local checks, preceded, when validation is on and there is CP, by the cross-rank one.
     `reduction`: the reductions' mask or position (check_reduction)."""
     n = _group.world_size(group)
     if not enabled(validate) or n == 1 or torch.compiler.is_compiling():
-        check_local(function, x, halo_size, left_padding, layout, n, **reduction)
+        check_local(function, x, halo_size, left_padding, layout, n, lookahead, **reduction)
         return
     try:
-        check_local(function, x, halo_size, left_padding, layout, n, **reduction)
+        check_local(function, x, halo_size, left_padding, layout, n, lookahead, **reduction)
         error = None
     except ValueError as e:
         error = e
-    fields = encode(function, x, halo_size, left_padding, layout)
+    fields = encode(function, x, halo_size, left_padding, layout, lookahead)
     failed, groups, rows = _compare(error is None, fields, x, group, local=("left_padding",))
     if error is not None:
         raise error
@@ -198,11 +216,13 @@ FIELDS = (
     "halo_sizes",  # a checksum of the per-chunk halo sizes, -1 where there are none
     "left_padding",
     "layout",  # index in torch_impl.layout.LAYOUTS, -1 if unknown
+    "lookahead",  # gather_halo's, as halo_size
+    "lookaheads",
     *(f"dim{i}" for i in range(_MAX_DIMS)),  # the shape; -1 past ndim; a checksum of any dims beyond
 )
 
 
-def encode(function, x, halo_size, left_padding, layout):
+def encode(function, x, halo_size, left_padding, layout, lookahead=0):
     """{field: int} for one call (FIELDS), whatever its arguments (a rank whose own are wrong still
     sends its signature, so that its peers can name it). gather_state's (A, B) is described as the
     buffer it sends: [..., m, m + p]."""
@@ -228,6 +248,8 @@ def encode(function, x, halo_size, left_padding, layout):
         _code(str(list(halo_size))) if isinstance(halo_size, (tuple, list)) else -1,
         count(left_padding),
         layouts.LAYOUTS.index(layout) if layout in layouts.LAYOUTS else -1,
+        -2 if isinstance(lookahead, (tuple, list)) else count(lookahead),
+        _code(str(list(lookahead))) if isinstance(lookahead, (tuple, list)) else -1,
         *dims,
     ]
     return dict(zip(FIELDS, values, strict=True))
@@ -289,6 +311,11 @@ def _describe(fields):
     if fields["function"] == _FUNCTIONS.index("gather_halo"):
         halo = fields["halo_size"] if fields["halo_size"] != -2 else f"per chunk #{fields['halo_sizes']:x}"
         text += f", halo_size={halo}, left_padding={fields['left_padding']}"
+        if fields["lookahead"]:
+            ahead = (
+                fields["lookahead"] if fields["lookahead"] != -2 else f"per chunk #{fields['lookaheads']:x}"
+            )
+            text += f", lookahead={ahead}"
     if fields["layout"] != 0:  # contiguous, the default, goes unsaid
         text += f", layout={layouts.LAYOUTS[fields['layout']] if fields['layout'] > 0 else '?'}"
     return text

@@ -1,6 +1,7 @@
 """What the modules of torch_impl.hf share: the registered implementation's name, the forward's
 CP context that the model's pre-hook makes for its mask function, reading a forward's arguments
-by name in hooks, and fetching a layer's keys and values (`fetch_kv`)."""
+by name in hooks, fetching a layer's keys and values (`fetch_kv`), and the pieces of the dense
+path: a chunk's queries in blocks, which keys they see, the model's attention on that mask."""
 
 import inspect
 from typing import NamedTuple
@@ -127,3 +128,51 @@ def fetch_kv(context, key, value, reach):
         packed = gather_halo(packed, group, reach, layout=shard.layout)  # [B, T, Hkv, D + Dv]
     key, value = packed.split([D, packed.shape[-1] - D], dim=-1)  # [B, T, Hkv, D], [B, T, Hkv, Dv]
     return key.transpose(1, 2), value.transpose(1, 2)
+
+
+def query_blocks(mask, block):
+    """A LocalMask's queries, `block` at a time per local chunk: (its ChunkKeys, the block's global
+    rows, their local rows, the columns of the chunk's keys that the block reaches: causal, and
+    within the window where the layer has one)."""
+    for keys in mask.chunks:
+        w = keys.chunk
+        for q0 in range(w.start, w.end, block):
+            q1 = min(q0 + block, w.end)
+            k0 = w.first_key if mask.window is None else max(w.first_key, q0 - mask.window + 1)
+            local = slice(w.queries.start + q0 - w.start, w.queries.start + q1 - w.start)
+            yield keys, range(q0, q1), local, slice(k0 - w.first_key, q1 - w.first_key)
+
+
+def window_rule(keys, window, queries, cut, device):
+    """bool [B or 1, q, k]: a full (window None) or sliding layer's rule for queries at global rows
+    `queries` over the keys of ChunkKeys columns `cut`: causal, within the window, not padding, the
+    same document."""
+    first = keys.chunk.first_key
+    q = torch.arange(queries.start, queries.stop, device=device)[:, None]
+    k = torch.arange(first + cut.start, first + cut.stop, device=device)[None]
+    seen = (k <= q)[None]  # [1, q, k]
+    if window is not None:
+        seen = seen & (q - k < window)
+    if keys.padding is not None:
+        seen = seen & keys.padding[:, None, cut]
+    if keys.documents is not None:
+        own = keys.documents[:, queries.start - first : queries.stop - first]  # [B, q]
+        seen = seen & (keys.documents[:, None, cut] == own[:, :, None])
+    return seen
+
+
+def attend_visible(module, query, key, value, visible, kwargs):
+    """The model's own attention function (module.context_parallel's) for query [B, H, q, D] over
+    key / value [B, Hkv, k, D] on the dense mask that `visible` (bool [B, q, k]) makes."""
+    setup, B = module.context_parallel, query.shape[0]
+    dense = setup.make_mask(
+        batch_size=B,
+        q_length=visible.shape[1],
+        kv_length=visible.shape[2],
+        mask_function=lambda b, h, q, kv: visible[b, q, kv],
+        allow_is_causal_skip=False,
+        dtype=query.dtype,
+        device=query.device,
+        config=module.config,
+    )  # [B, 1, q, k]
+    return setup.attend(module, query, key, value, dense, **kwargs)

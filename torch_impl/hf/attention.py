@@ -33,6 +33,7 @@ from torch_impl.hf._common import IMPLEMENTATION, RUNNING, Aside, Context, fetch
 from torch_impl.hf.block_sparse import block_sparse_attention, own_block_mask
 from torch_impl.hf.compressed import CompressedEntries, compressed_attention
 from torch_impl.hf.indexed import IndexedContext, Selection, indexed_attention, qsa_attention
+from torch_impl.hf.inkling import RelativeTable, relative_attention
 from torch_impl.layout import Window
 
 
@@ -278,6 +279,8 @@ def attention(module, query, key, value, attention_mask, **kwargs):
         return block_sparse_attention(module, query, key, value, attention_mask, **kwargs)
     if isinstance(getattr(module, "compressor", None), CompressedEntries):  # DeepSeek V4's CSA, HCA
         return compressed_attention(module, query, key, value, attention_mask, **kwargs)
+    if isinstance(getattr(module, "rel_logits_proj", None), RelativeTable):  # Inkling's relative logits
+        return relative_attention(module, query, key, value, attention_mask, **kwargs)
     setup, shard = module.context_parallel, attention_mask.context.shard
     if setup.query_scale is not None:  # scaled by local rows: rescaled to the global ones
         rows = shard.rows(query.device)  # [L]

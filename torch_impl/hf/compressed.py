@@ -21,7 +21,14 @@ import torch
 import torch.nn.functional as F
 
 from torch_impl.halo import gather_halo
-from torch_impl.hf._common import RUNNING, fetch_kv, stepping_aside
+from torch_impl.hf._common import (
+    RUNNING,
+    attend_visible,
+    fetch_kv,
+    query_blocks,
+    stepping_aside,
+    window_rule,
+)
 from torch_impl.sequence import gather_sequence
 
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
@@ -132,53 +139,14 @@ def compressed_attention(module, query, key, value, mask, **kwargs):
     visible, module.compressor.visible = module.compressor.visible, None  # [B, L, T], or None
     if visible is None:
         visible = torch.zeros((B, L, 0), dtype=torch.bool, device=query.device)
-    outs, block = [], module.compressor.query_block
-    for keys in mask.chunks:
-        w = keys.chunk
-        for q0 in range(w.start, w.end, block):
-            q1 = min(q0 + block, w.end)
-            k0 = w.first_key if mask.window is None else max(w.first_key, q0 - mask.window + 1)
-            local = slice(w.queries.start + q0 - w.start, w.queries.start + q1 - w.start)
-            cut = slice(k0 - w.first_key, q1 - w.first_key)  # the block's keys among the chunk's
-            seen = _window_rule(keys, mask.window, range(q0, q1), cut, query.device)  # [B or 1, block, Tb]
-            both = torch.cat([fetched[:, :, keys.rows][:, :, cut], entries], dim=2)  # [B, 1, Tb + T, D]
-            seen = torch.cat([seen.expand(B, -1, -1), visible[:, local]], dim=-1)  # [B, block, Tb + T]
-            out, _ = _attend(module, query[:, :, local], both, seen, kwargs)
-            outs.append(out)  # [B, block, H, D]
+    outs = []
+    for keys, queries, local, cut in query_blocks(mask, module.compressor.query_block):
+        seen = window_rule(keys, mask.window, queries, cut, query.device)  # [B or 1, block, Tb]
+        both = torch.cat([fetched[:, :, keys.rows][:, :, cut], entries], dim=2)  # [B, 1, Tb + T, D]
+        seen = torch.cat([seen.expand(B, -1, -1), visible[:, local]], dim=-1)  # [B, block, Tb + T]
+        out, _ = attend_visible(module, query[:, :, local], both, both, seen, kwargs)
+        outs.append(out)  # [B, block, H, D]
     return torch.cat(outs, dim=1), None
-
-
-def _window_rule(keys, window, queries, cut, device):
-    """bool [B or 1, q, k]: the sliding layer's rule for queries at global rows `queries` over the
-    keys of ChunkKeys columns `cut`: causal, within the window, not padding, the same document."""
-    first = keys.chunk.first_key
-    q = torch.arange(queries.start, queries.stop, device=device)[:, None]
-    k = torch.arange(first + cut.start, first + cut.stop, device=device)[None]
-    seen = (k <= q)[None]  # [1, q, k]
-    if window is not None:
-        seen = seen & (q - k < window)
-    if keys.padding is not None:
-        seen = seen & keys.padding[:, None, cut]
-    if keys.documents is not None:
-        own = keys.documents[:, queries.start - first : queries.stop - first]  # [B, q]
-        seen = seen & (keys.documents[:, None, cut] == own[:, :, None])
-    return seen
-
-
-def _attend(module, query, both, visible, kwargs):
-    """The model's own attention function on the dense mask `visible` [B, q, k]."""
-    setup, B = module.context_parallel, query.shape[0]
-    dense = setup.make_mask(
-        batch_size=B,
-        q_length=visible.shape[1],
-        kv_length=visible.shape[2],
-        mask_function=lambda b, h, q, kv: visible[b, q, kv],
-        allow_is_causal_skip=False,
-        dtype=query.dtype,
-        device=query.device,
-        config=module.config,
-    )  # [B, 1, q, k]
-    return setup.attend(module, query, both, both, dense, **kwargs)
 
 
 def is_compressor(module):

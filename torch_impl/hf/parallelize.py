@@ -21,9 +21,10 @@ from torch_impl.hf.attention import AttentionSetup, temperature_scale
 from torch_impl.hf.block_sparse import BLOCK_SPARSE, BlockIndexer, is_block_sparse
 from torch_impl.hf.cca import is_cca
 from torch_impl.hf.compressed import COMPRESSED, CompressedEntries, is_compressor
-from torch_impl.hf.documents import OneRankDocuments, isolates_documents
+from torch_impl.hf.documents import OneRankDocuments, Packed, isolates_documents
 from torch_impl.hf.heads import apply_head, check_head
 from torch_impl.hf.indexed import AbsorbedMLA, BlockedIndexer, QSAIndexer
+from torch_impl.hf.inkling import RelativeTable, TokenConvHalo, is_relative, is_token_conv
 from torch_impl.hf.inputs import MaskCountPositions, ModelInputs, PaddingIndexPositions, Positions
 from torch_impl.hf.mlstm import check_mlstm, is_mlstm
 from torch_impl.hf.recurrent import CONV, KERNELS, apply_recurrent, is_known, is_lightning, is_short_conv
@@ -44,8 +45,17 @@ SUPPORTED_LAYER_TYPES = (
 # a layer of both attention and a recurrence (Falcon-H1's parallel ones, Zamba2's shared attention
 # blocks beside its Mamba2): allowed where the walk recognised the recurrences
 HYBRID = "hybrid"
-# causal depthwise conv of in_proj's gated output
-SHORT_CONVS = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
+# causal depthwise convs: of in_proj's gated output (LFM2's), of a layer's or its keys' and values'
+# inputs (Inkling's)
+SHORT_CONVS = (
+    "Lfm2ShortConv",
+    "Lfm2MoeShortConv",
+    "Lfm3ShortConv",
+    "InklingShortConvolution",
+    "Inkling2ShortConvolution",
+)
+# Inkling's layer types: full and sliding attention with relative logits (torch_impl.hf.inkling)
+RELATIVE_LAYER_TYPES = ("hybrid", "hybrid_sliding")
 RECURRENT = re.compile(
     r"Mamba|Mixer|GatedDeltaNet|DeltaAttention|LinearAttention|Rwkv|RWKV|Recurrent|Retention|xLSTM|Ssm|SSM"
 )
@@ -72,9 +82,10 @@ def _refuse(name, module, why):
     return ValueError(f"torch_impl.hf.parallelize: {name or 'the model'} ({type(module).__name__}) {why}")
 
 
-def _check_configs(model, towers, recurrent=False):
+def _check_configs(model, towers, allowed=()):
     """Model-wide refusals, from the model's config and its sub-models' but its non-text encoders'
-    (a catch-all after the walk; `recurrent`: it recognised linear-attention modules)."""
+    (a catch-all after the walk; `allowed`: the layer types of the modules it recognised beyond
+    SUPPORTED_LAYER_TYPES)."""
     for name, module in model.named_modules():
         config = getattr(module, "config", None)
         if not isinstance(config, PreTrainedConfig) or id(config) in towers:
@@ -88,7 +99,7 @@ def _check_configs(model, towers, recurrent=False):
                 "has both chunked and sliding-window attention, which its masks cannot tell apart",
             )
         layer_types = set(getattr(config, "layer_types", None) or ())
-        unsupported = sorted(layer_types - set(SUPPORTED_LAYER_TYPES) - ({HYBRID} if recurrent else set()))
+        unsupported = sorted(layer_types - set(SUPPORTED_LAYER_TYPES) - set(allowed))
         if unsupported:
             raise _refuse(name, module, _unsupported(unsupported))
         if INDEXED in layer_types and not layer_types <= {INDEXED, LINEAR, SLIDING}:  # Qwen4's, dots3's
@@ -111,7 +122,8 @@ def _kind(name, module, family=""):
     class-name prefix that names no recurrence (RecurrentGemma's, whose MLP, norm and rotary
     embedding are RecurrentGemma*)."""
     layer_type = _layer_type(module)
-    if layer_type is not None and layer_type not in (*SUPPORTED_LAYER_TYPES, HYBRID):
+    known = (*SUPPORTED_LAYER_TYPES, HYBRID, *(RELATIVE_LAYER_TYPES if is_relative(module) else ()))
+    if layer_type is not None and layer_type not in known:
         raise _refuse(name, module, _unsupported([layer_type]))
     if type(module).__name__ in REFUSED_ATTENTION:
         raise _refuse(name, module, REFUSED_ATTENTION[type(module).__name__])
@@ -125,6 +137,8 @@ def _kind(name, module, family=""):
         if not is_short_conv(module):
             raise _refuse(name, module, f"does not call `{CONV}` over its own depthwise `conv`")
         return "short_conv"
+    if is_token_conv(module):
+        return "token_conv"
     if is_mlstm(module) and check_mlstm(module):
         raise _refuse(name, module, check_mlstm(module))
     if is_known(module):
@@ -237,11 +251,12 @@ def _towers(model):
 
 
 def _layers(model, decoder, group, layout, dense=False):
-    """(attention modules with their setups, short convs, linear-attention modules): every
-    token-mixing module, or ValueError."""
+    """(attention modules with their setups, short convs, token-dependent convs, linear-attention
+    modules): every token-mixing module, or ValueError."""
     if not type(model)._can_set_attn_implementation():
         raise _refuse("", model, "does not route its attention through transformers' AttentionInterface")
-    attentions, whole, skipped, towers = [], {"short_conv": {}, "recurrent": {}}, [], _towers(model)
+    attentions, skipped, towers = [], [], _towers(model)
+    whole = {"short_conv": {}, "recurrent": {}, "token_conv": {}}
     # a model holding recurrences made CP here: its family's class-name prefix names none
     family = (
         re.sub(r"(For[A-Z]\w*|Model)$", "", type(model).__name__)
@@ -249,7 +264,7 @@ def _layers(model, decoder, group, layout, dense=False):
         else ""
     )
     for name, module in model.named_modules():
-        handled = [*whole["short_conv"], *whole["recurrent"], *skipped]
+        handled = [*whole["short_conv"], *whole["recurrent"], *whole["token_conv"], *skipped]
         if any(name.startswith(f"{outer}.") for outer in handled):
             continue  # inside a short conv or linear attention, handled whole, or a non-text encoder
         if id(getattr(module, "config", None)) in towers:
@@ -262,7 +277,9 @@ def _layers(model, decoder, group, layout, dense=False):
             attentions.append((module, _attention_setup(name, module, group, layout, dense)))
         elif kind is not None:
             whole[kind][name] = module
-    _check_configs(model, towers, recurrent=bool(whole["recurrent"]))
+    relative = any(is_relative(module) for module, _ in attentions)
+    allowed = ((HYBRID,) if whole["recurrent"] else ()) + (RELATIVE_LAYER_TYPES if relative else ())
+    _check_configs(model, towers, allowed)
     linear = list(getattr(decoder.config, "layer_types", None) or ()).count("linear_attention")
     if linear > len(whole["recurrent"]):  # a linear attention the walk did not recognise
         raise _refuse(
@@ -272,7 +289,8 @@ def _layers(model, decoder, group, layout, dense=False):
             f"Gated DeltaNet, KDA, Mamba2 or Mamba modules calling the kernels {sorted(KERNELS)} or "
             "MiniMax's lightning attention",
         )
-    return attentions, list(whole["short_conv"].values()), list(whole["recurrent"].values())
+    convs = [*whole["short_conv"].values()], [*whole["token_conv"].values()]
+    return attentions, *convs, list(whole["recurrent"].values())
 
 
 def apply_attention(decoder, attentions):
@@ -288,7 +306,11 @@ def apply_attention(decoder, attentions):
         dropout = getattr(module.config, "attention_dropout", 0.0)
         if fallback is None and dropout > 0:  # the fused math applies no dropout
             paths[kind] += f"; in train mode a dense [L, T] mask (attention dropout {dropout})"
-        if kind == BLOCK_SPARSE:
+        if is_relative(module):
+            paths[kind] = "relative logits by global distance; the model's attention per block of queries "
+            paths[kind] += "on a dense [block, T] mask"
+            mix(module.rel_logits_proj, RelativeTable)
+        elif kind == BLOCK_SPARSE:
             paths[kind] = "its indexer per chunk over every rank's index keys; the model's block mask, "
             paths[kind] += "dense [L, T] per head"
             mix(module.indexer, BlockIndexer)
@@ -384,6 +406,16 @@ def apply_short_conv(convs, group, layout="contiguous"):
     }
 
 
+def apply_token_conv(convs, group):
+    """Every token-dependent short conv (Inkling2's) runs its own forward per chunk over a halo of
+    kernel - 1 inputs (torch_impl.hf.inkling.TokenConvHalo). Returns which path they take."""
+    paths = {}
+    for module in convs:
+        mix(module, TokenConvHalo).cp_packed = Packed(group)
+        paths[type(module).__name__] = "its own forward per chunk over a halo of kernel - 1 inputs"
+    return paths
+
+
 def apply_linear_attention(modules, group, layout="contiguous"):
     """Every linear-attention module runs its own forward with CP's conv and chunked kernel, or
     MiniMax's lightning attention its block loop per chunk (torch_impl.hf.recurrent). Returns
@@ -451,12 +483,13 @@ def parallelize(
     head = check_head(model)
     if head is not None:
         raise _refuse("", model, head)
-    attentions, convs, linear = _layers(model, decoder, group, layout, dense)
+    attentions, convs, token_convs, linear = _layers(model, decoder, group, layout, dense)
     hooked = _hooked(model, decoder, attention=bool(attentions))
     apply_inputs(model, decoder, hooked, group, validate, layout, isolate_documents)
     paths = (
         apply_attention(decoder, attentions)
         | apply_short_conv(convs, group, layout)
+        | apply_token_conv(token_convs, group)
         | apply_linear_attention(linear, group, layout)
         | apply_head(model, group, layout)
     )
@@ -473,13 +506,14 @@ def parallelize(
 
 
 def _one_rank(model, isolates):
-    """Without CP: the model untouched, but for linear-attention layers in a model that isolates
-    packed documents, which then keep each document's state apart as under CP (documents.
+    """Without CP: the model untouched, but for linear-attention layers and convs in a model that
+    isolates packed documents, which then keep each document's state apart as under CP (documents.
     OneRankDocuments); transformers' torch kernels would carry it across documents."""
     decoder = _decoder(model)
     linear = [module for module in decoder.modules() if is_known(module) or is_short_conv(module)]
+    token_convs = [module for module in decoder.modules() if is_token_conv(module)]
     hooked = list(dict.fromkeys([model.base_model, decoder]))
-    if not linear or not (isolates_documents(hooked) if isolates is None else isolates):
+    if not (linear or token_convs) or not (isolates_documents(hooked) if isolates is None else isolates):
         return model
     if getattr(model, "cp_transport_paths", None) is not None:
         raise _refuse("", model, "is already parallelized")
@@ -491,7 +525,7 @@ def _one_rank(model, isolates):
         type(module).__name__: f"{apply_recurrent(module, None, 'contiguous')}: each packed document from "
         "zero, as under CP"
         for module in linear
-    }
+    } | {name: f"{path}, each document alone" for name, path in apply_token_conv(token_convs, None).items()}
     return model
 
 

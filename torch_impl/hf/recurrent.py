@@ -66,9 +66,10 @@ def kernel_of(module: nn.Module) -> str | None:
 
 
 def is_short_conv(module: nn.Module) -> bool:
-    """Whether `module` is a gated short convolution (LFM2's `Lfm2ShortConv`): a depthwise causal
-    `conv` whose forward calls CONV and no chunked kernel (ConvHalo alone makes it CP)."""
-    conv, names = getattr(module, "conv", None), _global_loads(module)
+    """Whether `module` is a short convolution (LFM2's gated `Lfm2ShortConv`, Inkling's): a depthwise
+    causal `conv` (or `conv1d`) whose forward calls CONV and no chunked kernel (ConvHalo alone
+    makes it CP)."""
+    conv, names = getattr(module, "conv", None) or getattr(module, "conv1d", None), _global_loads(module)
     return (
         isinstance(conv, nn.Conv1d)
         and conv.groups == conv.in_channels == conv.out_channels
