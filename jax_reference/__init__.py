@@ -212,9 +212,8 @@ def gather_halo(x, axis_name, halo_size, left_padding=0, layout="contiguous", lo
         H, A = max(h), max(a)
         shifts = range(math.ceil(H / C) if H else 0, 0, -1)  # farthest first (H > 0 implies C > 0)
         window = [_neighbour(x, axis_name, held, k, s, min(C, H - (s - 1) * C)) for s in shifts]
-        following = [
-            _neighbour(x, axis_name, held, k, -s, min(C, A - (s - 1) * C)) for s in range(1, -(-A // C) + 1)
-        ]
+        after = range(1, -(-A // C) + 1 if A else 1)  # nearest first (A > 0 implies C > 0)
+        following = [_neighbour(x, axis_name, held, k, -s, min(C, A - (s - 1) * C)) for s in after]
         segments += [zeros, *_keep(window, h, axis_name, last=True), x[:, k * C : (k + 1) * C]]
         segments += _keep(following, a, axis_name, last=False)
     return jnp.concatenate(segments, axis=1)

@@ -13,6 +13,7 @@ import torch
 
 from parity_tests import zoo, zoo_cases
 from torch_impl import hf
+from torch_impl.hf import media
 
 S = 32
 QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
@@ -23,7 +24,9 @@ VISION = {  # the vision tower's tiny sizes: images of 4 tokens
     "aya_vision": dict(image_size=16, patch_size=4),
     "cohere2_vision": dict(image_size=16, patch_size=4),
     "internvl": dict(image_size=[16, 16], patch_size=[4, 4]),
+    "gemma3": dict(image_size=24, patch_size=4),  # 6 x 6 patches pooled to 3 x 3: images of 9 tokens
 }
+MM_TOKENS = {"gemma3": 9}  # config.mm_tokens_per_image
 IMAGE_SIZES = ("mistral3", "lighton_ocr")  # their images come with their sizes
 GRIDS = ((1, 4, 8), (1, 4, 4), (1, 4, 8))  # Qwen's images A, B, C: (t, h, w) patches, 8, 4, 8 tokens
 VIDEO = (2, 4, 4)  # Qwen's video in C's place: 2 temporal patches, 8 tokens
@@ -34,12 +37,18 @@ FRAMES = (
     "qwen3_5_moe",
 )  # their videos' frames apart, each with its timestamp (at 14 and 21)
 STARTS = ((0, 6), (0, 20), (1, 12))  # (row, first placeholder) of A, B, C
+# Gemma 3's images of 9 tokens, longer than its sliding window (8): A at [12, 21) across the two
+# ranks' edge (and head_tail's chunks 3 to 5 of 4 tokens), B at [22, 31) and C at [5, 14) across three
+# of 4 ranks' chunks
+STARTS_OF = {"gemma3": ((0, 12), (0, 22), (1, 5))}
 
 
 def build(model_type):
     config = zoo.tiny_config(model_type)
     for key, value in VISION.get(model_type, {}).items():
         setattr(config.vision_config, key, value)
+    if model_type in MM_TOKENS:
+        config.mm_tokens_per_image = MM_TOKENS[model_type]
     if hasattr(config.vision_config, "out_hidden_size"):  # Qwen's merger projects to the text width
         config.vision_config.out_hidden_size = config.get_text_config().hidden_size
     torch.manual_seed(0)
@@ -63,9 +72,9 @@ def media_batch(config, video=False, seed=3, count=4):
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     grids = list(GRIDS[:2]) + ([] if video else [GRIDS[2]])
-    items = [(s, g, 1) for s, g in zip(STARTS, grids, strict=False)] + (
-        [(STARTS[2], VIDEO, 2)] if video else []
-    )
+    starts = STARTS_OF.get(config.model_type, STARTS)
+    items = [(s, g, 1) for s, g in zip(starts, grids, strict=False)]
+    items += [(starts[2], VIDEO, 2)] if video else []
     for (row, start), grid, kind in items:
         count = (grid[0] * grid[1] * grid[2]) // 4 if qwen else count  # Qwen: merged 2x2 patches
         segments = [(start, count)]
@@ -95,6 +104,8 @@ def media_batch(config, video=False, seed=3, count=4):
     )
     if config.model_type in IMAGE_SIZES:
         batch["image_sizes"] = torch.tensor([[size, size]] * 3)
+    if config.model_type in media.BLOCKWISE:  # its processor's token types: its images' tokens see each other
+        batch["token_type_ids"] = types
     return batch
 
 
@@ -137,7 +148,7 @@ def compare(group, model_type, layout="contiguous", video=False):
 
 
 def refused(group, model_type):
-    """The ValueError of a family whose media are not split: Gemma 3's images."""
+    """The ValueError of a family whose media are not split."""
     model = build(model_type)
     hf.parallelize(model, group, verbose=False)
     config = model.config
@@ -145,6 +156,21 @@ def refused(group, model_type):
     size = config.vision_config.image_size
     batch["pixel_values"] = torch.zeros(1, config.vision_config.num_channels, size, size, dtype=torch.float64)
     batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
+    try:
+        model(**hf.shard_batch(batch, group))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def packed_refused(group, model_type):
+    """The ValueError of a family in media.BLOCKWISE given packed rows (position_ids restarting, no
+    attention_mask) with its images."""
+    model = build(model_type)
+    hf.parallelize(model, group, verbose=False)
+    batch = media_batch(model.config, count=tokens_an_image(model))
+    del batch["attention_mask"]
+    batch["position_ids"] = torch.arange(S).remainder(S // 2).expand(2, S)  # two documents a row
     try:
         model(**hf.shard_batch(batch, group))
     except ValueError as e:

@@ -359,6 +359,20 @@ MUTATIONS += [
         "plan.append(Transfer(src, shard.r, c * C - w.first_key, length, (p + 1) * C - length, k))",
         ("parity_tests/test_parity_layouts.py", "-k", "lookahead", "-x"),
     ),
+    Mutation(  # Gemma 3: an image's tokens on later ranks not fetched (its block cut at the chunk's end)
+        "image_block_cut_at_the_shard_edge",
+        "torch_impl/hf/attention.py",
+        "torch.cat([spill.amax(dim=0), spill.new_zeros(1)])",
+        "torch.cat([spill.amax(dim=0) * 0, spill.new_zeros(1)])",
+        ("parity_tests/test_hf_media.py", "-k", "gemma3 and equals", "-x"),
+    ),
+    Mutation(  # Gemma 3: image tokens causal, as text (the bidirectional rule dropped)
+        "image_tokens_causal",
+        "torch_impl/hf/attention.py",
+        "seen = (k <= q)[None] | ((own == keys.blocks[:, None]) & (own >= 0))",
+        "seen = (k <= q)[None] & (own >= -1)",
+        ("parity_tests/test_hf_media.py", "-k", "gemma3 and equals", "-x"),
+    ),
     Mutation(  # Inkling: a key's relative bias read at its distance from the chunk's first key
         "relative_bias_at_a_local_distance",
         "torch_impl/hf/inkling.py",

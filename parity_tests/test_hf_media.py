@@ -24,10 +24,17 @@ def test_media_batch_equals_one_process(pool, family, n, layout, video):
         assert max(ratios.values()) <= 1, (family, why, ratios)
 
 
-def test_bidirectional_image_attention_is_refused(pool):
-    """Gemma 3 attends bidirectionally within an image: refused, saying so, on every rank."""
-    for message in pool.run(("first", 2), media_cases.refused, "gemma3")[0]:
-        assert message and "attends bidirectionally within each image" in message, message
+def test_unverified_media_are_refused(pool):
+    """A family whose images are not verified under CP (VipLLaVA): refused, saying so, on every rank."""
+    for message in pool.run(("first", 2), media_cases.refused, "vipllava")[0]:
+        assert message and "its vision inputs are not verified under CP" in message, message
+
+
+def test_packed_rows_with_gemma3_images_are_refused(pool):
+    """Packed rows with images whose tokens see each other: transformers' sliding masks read the
+    image ids by each document's positions, mixing documents; refused on every rank."""
+    for message in pool.run(("first", 2), media_cases.packed_refused, "gemma3")[0]:
+        assert message and "which mixes documents" in message, message
 
 
 def test_share_is_contiguous_and_balanced():

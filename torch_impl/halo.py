@@ -17,12 +17,10 @@ class Transfer(NamedTuple):
     `dst`'s chunks."""
 
     src: int  # group rank that owns the tokens
-    dst: int  # group rank whose chunk's window holds them, at [dst_start, + length) from the window's start
-    dst_start: int  # (past the window and the chunk: the lookahead's)
+    dst: int  # rank whose chunk's segment holds them, at [dst_start, + length) from its window's start
+    dst_start: int  # (past the window and the chunk for a lookahead's piece)
     length: int
-    src_start: (
-        int  # src's local rows [src_start, + length): the end of one of its chunks (the start: lookahead)
-    )
+    src_start: int  # src's local rows [src_start, + length): a chunk's end (a lookahead's: its start)
     dst_chunk: int = 0  # which of dst's local chunks (head_tail: 0 head, 1 tail)
 
 
@@ -56,7 +54,8 @@ def halo_plan(
                 src, p = owner[c]
                 length = (c + 1) * C - lo
                 plan.append(Transfer(src, shard.r, lo - w.first_key, length, (p + 1) * C - length, k))
-            for c in range(w.chunk + 1, w.chunk + 1 + -(-w.after // C)):  # the chunks after, nearest first
+            after = -(-w.after // C) if w.after else 0  # how many later chunks (C may be 0)
+            for c in range(w.chunk + 1, w.chunk + 1 + after):  # the chunks after, nearest first
                 src, p = owner[c]
                 length = min(C, w.end + w.after - c * C)  # global rows [cC, cC + length)
                 plan.append(Transfer(src, shard.r, c * C - w.first_key, length, p * C, k))
@@ -71,12 +70,12 @@ def start_exchange(sends, recvs, group):
 
 
 def _halo_forward(x, group, plan, windows):
-    """x: [B, L, ...] -> [B, sum_k (left_padding + h_k + C), ...]; pieces land in views of one buffer.
+    """x: [B, L, ...] -> [B, sum_k (left_padding + h_k + C + a_k), ...]; pieces land in views of one buffer.
     windows: this rank's ShardPlan.windows(halo_size, left_padding)."""
     r = _group.rank(group)
     T = windows[-1].segment.stop
     sent = [t for t in plan if t.src == r and t.dst != r]
-    longest = {}  # local chunk -> the longest tail it sends: one sequence-major copy per chunk
+    longest = {}  # end row -> the longest piece ending there it sends: one sequence-major copy each
     for t in sent:
         end = t.src_start + t.length
         longest[end] = max(longest.get(end, 0), t.length)
@@ -105,7 +104,7 @@ def _halo_forward(x, group, plan, windows):
 
 
 def _halo_backward(grad, group, plan, windows):
-    """grad: [B, sum_k (left_padding + h_k + C), ...] -> [B, L, ...]: the local chunks' gradient
+    """grad: [B, sum_k (left_padding + h_k + C + a_k), ...] -> [B, L, ...]: the local chunks' gradient
     plus the gradients of every window piece this rank's tokens filled."""
     r = _group.rank(group)
     gs = grad.transpose(0, 1)  # [T, B, ...]
@@ -174,7 +173,7 @@ def halo_all_to_all(x, group, halo_size, left_padding=0, layout="contiguous", lo
         window = [pieces[i] for i in mine if plan[i].dst_start < w.halo][::-1]  # farthest first
         after = [pieces[i] for i in mine if plan[i].dst_start >= w.halo]
         segments += [zeros, *window, xs[w.queries], *after]
-    return torch.cat(segments).transpose(0, 1)  # [B, sum_k (left_padding + h_k + C), ...]
+    return torch.cat(segments).transpose(0, 1)  # [B, sum_k (left_padding + h_k + C + a_k), ...]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -188,7 +187,7 @@ def _exchange(n, r, local_len, halo_size, left_padding, layout, lookahead):
 
 
 class _GatherHalo(torch.autograd.Function):
-    """Exchange only the preceding windows and return their gradients to their owners.
+    """Exchange only the preceding windows (and lookaheads) and return their gradients to their owners.
 
     Forward: (1) plan the transfers; (2) post sends of this rank's needed chunk ends and receives
     straight into the windows' views of one output buffer; (3) zero the padding, copy the chunks
@@ -248,7 +247,7 @@ def gather_halo(
         Per local chunk (global chunk c, C tokens), one after the other: left_padding zeros, the
         h = min(c*C, halo_size) (or halo_size[c]) global tokens before the chunk, the chunk, then
         the a = min(S - (c+1)*C, lookahead) (or lookahead[c]) tokens after it (S = n*L); dtype
-        of x. Contiguous: [batch, left_padding + h + L, ...] with h = min(r*L, halo_size), then x. Without
+        of x. Contiguous: [batch, left_padding + h + L + a, ...] with h = min(r*L, halo_size). Without
         CP it is x itself when left_padding == 0. With batch > 1 it is a strided view of a
         sequence-major buffer.
 

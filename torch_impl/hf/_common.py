@@ -31,6 +31,9 @@ class Context(NamedTuple):
     chunks: Documents | None  # chunked-attention layers' attention chunks (within documents)
     padding: torch.Tensor | None  # the attention_mask by global row, bool [B, S]; None: none given
     kinds: frozenset | None  # the attention layer types the model has; None: any mask it makes
+    # images whose tokens see every token of their image (Gemma 3's): each token's image by global
+    # row, int [B, S] (-1: text); None: none
+    blocks: torch.Tensor | None = None
 
 
 class Aside(NamedTuple):
@@ -108,24 +111,26 @@ def check_stateless(args, *given):
         )
 
 
-def fetch_kv(context, key, value, reach):
+def fetch_kv(context, key, value, reach, lookahead=0):
     """This rank's keys and values for a layer of this reach (key [B, Hkv, L, D], value [B, Hkv, L,
     Dv]), in one exchange: packed side by side into one sequence-major buffer [L, B, Hkv, D + Dv]
     (the copy the transport makes anyway), then the causal prefix gathered (reach None:
     gather_sequence, the sequence in global order) or each chunk's reach fetched (gather_halo, one
     segment per chunk: its tokens before it, then itself), and split back. Backward: the two
-    gradients packed the same way, one reduce-scatter or one set of p2p messages.
+    gradients packed the same way, one reduce-scatter or one set of p2p messages. `lookahead`: the
+    tokens after each chunk a halo also fetches (an image's rest; the gathered sequence has them).
     Returns (key [B, Hkv, T, D], value [B, Hkv, T, Dv])."""
     shard, group, D = context.shard, context.group, key.shape[-1]
     if value is key:  # one tensor for both (DeepSeek V4's shared KV): sent once
-        key, _ = fetch_kv(context, key, key[..., :0], reach)
+        key, _ = fetch_kv(context, key, key[..., :0], reach, lookahead)
         return key, key
     packed = torch.cat([key.permute(2, 0, 1, 3), value.permute(2, 0, 1, 3)], dim=-1)  # [L, B, Hkv, D + Dv]
     packed = packed.transpose(0, 1)  # [B, L, Hkv, D + Dv]: a view the transport takes without a copy
     if reach is None:
         packed = gather_sequence(packed, group, layout=shard.layout)  # [B, S, Hkv, D + Dv]
     else:
-        packed = gather_halo(packed, group, reach, layout=shard.layout)  # [B, T, Hkv, D + Dv]
+        packed = gather_halo(packed, group, reach, layout=shard.layout, lookahead=lookahead)
+        # [B, T, Hkv, D + Dv]: each chunk's reach, the chunk and its lookahead
     key, value = packed.split([D, packed.shape[-1] - D], dim=-1)  # [B, T, Hkv, D], [B, T, Hkv, Dv]
     return key.transpose(1, 2), value.transpose(1, 2)
 

@@ -29,7 +29,7 @@ from transformers.masking_utils import (
 )
 
 from torch_impl.attention import causal_attention
-from torch_impl.hf._common import IMPLEMENTATION, RUNNING, Aside, Context, fetch_kv
+from torch_impl.hf._common import IMPLEMENTATION, RUNNING, Aside, Context, attend_visible, fetch_kv
 from torch_impl.hf.block_sparse import block_sparse_attention, own_block_mask
 from torch_impl.hf.compressed import CompressedEntries, compressed_attention
 from torch_impl.hf.indexed import IndexedContext, Selection, indexed_attention, qsa_attention
@@ -39,13 +39,16 @@ from torch_impl.layout import Window
 
 class ChunkKeys(NamedTuple):
     """One local chunk's keys for a kind of layer: its ShardPlan Window (queries at global rows
-    [start, end), keys at [first_key, end)), those keys' rows in what `fetch_kv` returns, and
-    their padding (bool [B, T], True: a token) and document ids (int [B, T]), or None."""
+    [start, end), keys at [first_key, end + after)), those keys' rows in what `fetch_kv` returns,
+    and their padding (bool [B, T], True: a token), document ids (int [B, T]) and, where some of
+    the chunk's queries are image tokens that see their whole image, image ids (int [B, T], -1:
+    text), or None."""
 
     chunk: Window
     rows: slice
     padding: torch.Tensor | None
     documents: torch.Tensor | None
+    blocks: torch.Tensor | None = None
 
 
 class LocalMask(NamedTuple):
@@ -57,6 +60,7 @@ class LocalMask(NamedTuple):
     window: int | None  # sliding window W (a query sees W keys, itself included); None: none
     reach: int | tuple | None  # ShardPlan.windows' reach: None the causal prefix, else per chunk
     chunks: tuple  # ChunkKeys per local chunk; none for a kind of layer the model does not have
+    lookahead: int | tuple = 0  # per global chunk, the tokens after it its images reach
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,24 +158,43 @@ def make_mask(context, attention_mask, window, documents):
             "not have, whose other shards this rank cannot know"
         )
     padding = None if attention_mask is None else context.padding  # bool [B, S]
+    ahead, seeing = image_reach(context.blocks, context.shard) if context.blocks is not None else (0, ())
     chunks = tuple(
         ChunkKeys(
             w,
             rows,
             None if padding is None else padding[:, w.keys],  # [B, T]
             None if documents is None else documents.ids[:, w.keys],  # [B, T]
+            context.blocks[:, w.keys] if w.chunk in seeing else None,  # [B, T]
         )
-        for w, rows in _key_rows(context.shard, reach)
+        for w, rows in _key_rows(context.shard, reach, ahead)
     )
-    return LocalMask(context, window, reach, chunks)
+    return LocalMask(context, window, reach, chunks, ahead)
 
 
-def _key_rows(shard, reach):
+def _key_rows(shard, reach, lookahead=0):
     """Per local chunk (Window, its keys' rows in what a fetch of this reach returns): the gathered
-    sequence's rows [first_key, end), or gather_halo's segment."""
+    sequence's rows [first_key, end + after), or gather_halo's segment."""
     if reach is None:
-        return tuple((w, w.keys) for w in shard.windows())
-    return tuple((w, w.segment) for w in shard.windows(reach))
+        return tuple((w, w.keys) for w in shard.windows(lookahead=lookahead))
+    return tuple((w, w.segment) for w in shard.windows(reach, lookahead=lookahead))
+
+
+def image_reach(blocks, shard):
+    """(per global chunk, how many tokens past its end the image holding its last token runs on,
+    the most over the batch's rows; the global chunks some of whose tokens are image tokens),
+    from the image ids by global row (int [B, S], -1: text), in one host read."""
+    B, S = blocks.shape
+    rows = torch.arange(S, device=blocks.device).expand(B, S)
+    ids = blocks.clamp(min=0)  # [B, S]
+    last = torch.full_like(blocks, -1).scatter_reduce(1, ids, torch.where(blocks >= 0, rows, -1), "amax")
+    run_end = last.gather(1, ids) + 1  # [B, S]: one past the last token of each token's image
+    C, count = shard.chunk_len, shard.num_chunks
+    ends = torch.arange(C, count * C, C, device=blocks.device)  # every chunk's end but the last's
+    spill = torch.where(blocks[:, ends - 1] >= 0, run_end[:, ends - 1] - ends, 0).clamp(min=0)  # [B, count-1]
+    images = (blocks >= 0).view(B, count, C).any(dim=2).any(dim=0)  # [count]
+    ahead, seeing = torch.cat([spill.amax(dim=0), spill.new_zeros(1)]).tolist(), images.tolist()
+    return tuple(ahead), {c for c, image in enumerate(seeing) if image}
 
 
 def attend(module, query, key, value, keys, window, **kwargs):
@@ -185,6 +208,8 @@ def attend(module, query, key, value, keys, window, **kwargs):
     """
     w, padding, documents = keys.chunk, keys.padding, keys.documents
     setup, B, C = module.context_parallel, query.shape[0], query.shape[2]
+    if keys.blocks is not None:  # image tokens that see later ones: their images' rule
+        return attend_visible(module, query, key, value, image_rule(keys, window, query.device), kwargs)
     if setup.fallback is None and not kwargs.get("dropout", 0.0) > 0:
         check_fused_kwargs(module, kwargs)
         out = causal_attention(
@@ -220,6 +245,20 @@ def attend(module, query, key, value, keys, window, **kwargs):
         config=module.config,
     )  # [B, 1, C, T]
     return setup.attend(module, query, key, value, mask, **kwargs)
+
+
+def image_rule(keys, window, device):
+    """bool [B, C, T]: which keys (global rows [first_key, end + after)) a chunk's queries see
+    where image tokens see every token of their image (Gemma 3's masks): causal, or the same image;
+    then within the window (W - 1 back, any distance forward) and not padding."""
+    w = keys.chunk
+    q = torch.arange(w.start, w.end, device=device)[:, None]  # [C, 1]
+    k = torch.arange(w.first_key, w.end + w.after, device=device)[None]  # [1, T]
+    own = keys.blocks[:, w.start - w.first_key : w.end - w.first_key, None]  # [B, C, 1]
+    seen = (k <= q)[None] | ((own == keys.blocks[:, None]) & (own >= 0))  # [B, C, T]
+    if window is not None:
+        seen = seen & (k > q - window)[None]
+    return seen if keys.padding is None else seen & keys.padding[:, None]
 
 
 def check_fused_kwargs(module, kwargs):
@@ -288,8 +327,8 @@ def attention(module, query, key, value, attention_mask, **kwargs):
             setup.query_scale(t).to(query.dtype) for t in (torch.arange(len(rows), device=query.device), rows)
         )
         query = query / local[:, None] * wanted[:, None]  # [B, H, L, D]
-    key, value = fetch_kv(attention_mask.context, key, value, attention_mask.reach)  # [B, Hkv, T, D]
-    return attend_chunks(module, query, key, value, attention_mask, **kwargs)
+    key, value = fetch_kv(attention_mask.context, key, value, attention_mask.reach, attention_mask.lookahead)
+    return attend_chunks(module, query, key, value, attention_mask, **kwargs)  # (key, value: [B, Hkv, T, D])
 
 
 def attend_chunks(module, query, key, value, mask, **kwargs):

@@ -25,9 +25,9 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from torch_impl import _group
 from torch_impl.halo import gather_halo
 from torch_impl.hf._common import (
-    RUNNING,
     attend_visible,
     check_stateless,
     fetch_kv,
@@ -35,7 +35,7 @@ from torch_impl.hf._common import (
     stepping_aside,
     window_rule,
 )
-from torch_impl.layout import document_starts
+from torch_impl.layout import ShardPlan, document_starts
 
 # attention classes whose log scaling (full layers, `log_scaling_n_floor` set) counts the local rows
 LOCAL_LOG_SCALING = ("InklingAttention",)
@@ -79,7 +79,7 @@ class RelativeTable:
     query_block = 256  # queries whose bias [B, H, block, keys] relative_attention makes at once
 
     def forward(self, relative_states, query_positions, key_positions):
-        if RUNNING.context is None or stepping_aside():  # an unsharded call: the model's own bias
+        if stepping_aside():  # an unsharded call: the model's own bias
             return super().forward(relative_states, query_positions, key_positions)
         L, device = relative_states.shape[1], relative_states.device
         rows = torch.zeros(L, dtype=torch.long, device=device)  # every query at row 0
@@ -95,12 +95,14 @@ def relative_attention(module, query, key, value, mask, position_bias, sinks=Non
     block's sinks, on a dense mask. Returns ([B, L, H, D], None)."""
     context, (B, H, L, _) = mask.context, query.shape
     table, scale = position_bias, log_scale(module)  # [B, H, L, E]
+    assert table.shape[-1] == module.rel_logits_proj.rel_extent, table.shape  # RelativeTable's
     if scale is not None:  # the model's factor (1 on the rank's local rows), at the global positions
-        if L > module.config.log_scaling_n_floor:
+        floor = module.config.log_scaling_n_floor
+        if L > floor:
             raise ValueError(
                 f"torch_impl.hf: {type(module).__name__} scales its queries by the rank's local rows "
-                f"(log scaling from row {module.config.log_scaling_n_floor}); with {L} tokens a rank "
-                "it scales them by the wrong rows: shard the sequence over more ranks"
+                f"from row log_scaling_n_floor={floor} on, which under CP are not the global ones; a "
+                f"rank holds {L} tokens here: shard the sequence so that a rank holds at most {floor}"
             )
         tau = scale(_positions(context, query.device))[:, None, :, None]  # float32 [B or 1, 1, L, 1]
         query = (query.float() * tau).to(query.dtype)  # [B, H, L, D], as the model in float32
@@ -142,21 +144,24 @@ def is_token_conv(module):
 
 class TokenConvHalo:
     """Mixed into the class of Inkling2's token-dependent short conv (`cp_packed`: a Packed over
-    the CP group, set by apply_token_conv). Under CP, the model's own forward per local chunk over
-    the chunk's K - 1 preceding inputs (masked by their owner, as the model masks them) and the
-    chunk; the preceding rows' taps are never read (their outputs are dropped), so they take zeros
-    for the tap-weights' input. Packed documents: per piece of a document, nothing before its
-    start. An unsharded call runs the model's own forward."""
+    the CP group, and `cp_layout`, set by apply_token_conv). Under CP, the model's own forward per
+    local chunk over the chunk's K - 1 preceding inputs (masked by their owner, as the model masks
+    them) and the chunk; the preceding rows' taps are never read (their outputs are dropped), so
+    they take zeros for the tap-weights' input. Packed documents: per piece of a document, nothing
+    before its start. An unsharded call runs the model's own forward."""
 
     def forward(self, hidden_states, dynamic_input, past_key_values=None, conv_mask=None, **kwargs):
         if self.cp_packed.aside():
             return super().forward(hidden_states, dynamic_input, past_key_values, conv_mask, **kwargs)
         check_stateless((), past_key_values)  # a cache would hold the shard's own inputs
-        context, reach = RUNNING.context, self.conv_kernel_size - 1
-        masked = hidden_states if conv_mask is None else hidden_states * conv_mask[:, :, None]
-        fetched = gather_halo(masked, context.group, reach, layout=context.shard.layout)  # [B, T, C]
         first, outs = self.cp_packed.first_rows(), []  # [B, S] or None
-        for w in context.shard.windows(reach):
+        group, reach, L = self.cp_packed.group, self.conv_kernel_size - 1, hidden_states.shape[1]
+        masked = hidden_states
+        if conv_mask is not None:  # as the model masks them
+            masked = (hidden_states * conv_mask[:, :, None]).to(hidden_states.dtype)
+        fetched = gather_halo(masked, group, reach, layout=self.cp_layout)  # [B, T, C]
+        shard = ShardPlan.of(self.cp_layout, _group.world_size(group), _group.rank(group), L)
+        for w in shard.windows(reach):
             before = w.start - w.first_key  # the rows of the halo
             halo = fetched[:, w.segment][:, :before]  # [B, before, C]
             x = torch.cat([halo, hidden_states[:, w.queries]], dim=1)  # [B, T, C]

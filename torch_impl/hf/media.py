@@ -53,10 +53,12 @@ MEDIA_KEYS = tuple(k for m in MODALITIES.values() for k in (m.pixels, m.grid, *m
 # the families whose media are exact under CP (parity_tests/test_hf_media.py); others are refused
 VERIFIED = (
     *("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
-    *("llava", "mistral3", "lighton_ocr", "aya_vision", "cohere2_vision", "internvl"),
+    *("llava", "mistral3", "lighton_ocr", "aya_vision", "cohere2_vision", "internvl", "gemma3"),
 )
+# families whose image tokens (token_type_ids 1) see every token of their image, later ones
+# included: the attention fetches each image's rest (torch_impl.hf.attention.image_reach)
+BLOCKWISE = ("gemma3",)
 WHY = {  # model type: why its media are refused
-    "gemma3": "attends bidirectionally within each image (token_type_ids), which reads later ranks' tokens",
     "paligemma": "attends bidirectionally over its image and prefix, which reads later ranks' tokens",
 }
 
@@ -114,6 +116,17 @@ def inputs(module, argument, ids, types, padding, rows, group):
         changes["position_ids"] = positions[..., rows]  # [3, B, L]
         changes["mm_token_type_ids"] = None  # (used for the positions only)
     return changes
+
+
+def blocks(module, types):
+    """Each token's image by global row (int [B, S], -1: text) for a family in BLOCKWISE, whose
+    images' tokens see each other (as transformers' get_block_sequence_ids_for_mask numbers
+    them: runs of image tokens); else None. types: the gathered token types [B, S], or None."""
+    if types is None or getattr(module.config, "model_type", None) not in BLOCKWISE:
+        return None
+    image = types == 1  # [B, S]
+    starts = image & ~F.pad(image, (1, 0))[:, :-1]
+    return torch.where(image, starts.long().cumsum(dim=1) - 1, -1)
 
 
 def _positions(module, argument, ids, types, padding):

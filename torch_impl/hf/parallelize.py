@@ -406,12 +406,13 @@ def apply_short_conv(convs, group, layout="contiguous"):
     }
 
 
-def apply_token_conv(convs, group):
+def apply_token_conv(convs, group, layout="contiguous"):
     """Every token-dependent short conv (Inkling2's) runs its own forward per chunk over a halo of
     kernel - 1 inputs (torch_impl.hf.inkling.TokenConvHalo). Returns which path they take."""
     paths = {}
     for module in convs:
         mix(module, TokenConvHalo).cp_packed = Packed(group)
+        module.cp_layout = layout
         paths[type(module).__name__] = "its own forward per chunk over a halo of kernel - 1 inputs"
     return paths
 
@@ -489,7 +490,7 @@ def parallelize(
     paths = (
         apply_attention(decoder, attentions)
         | apply_short_conv(convs, group, layout)
-        | apply_token_conv(token_convs, group)
+        | apply_token_conv(token_convs, group, layout)
         | apply_linear_attention(linear, group, layout)
         | apply_head(model, group, layout)
     )
@@ -510,7 +511,11 @@ def _one_rank(model, isolates):
     isolates packed documents, which then keep each document's state apart as under CP (documents.
     OneRankDocuments); transformers' torch kernels would carry it across documents."""
     decoder = _decoder(model)
-    linear = [module for module in decoder.modules() if is_known(module) or is_short_conv(module)]
+    linear = [
+        module
+        for module in decoder.modules()
+        if is_known(module) or type(module).__name__ in SHORT_CONVS and is_short_conv(module)
+    ]
     token_convs = [module for module in decoder.modules() if is_token_conv(module)]
     hooked = list(dict.fromkeys([model.base_model, decoder]))
     if not (linear or token_convs) or not (isolates_documents(hooked) if isolates is None else isolates):
