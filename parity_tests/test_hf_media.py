@@ -24,6 +24,13 @@ def test_media_batch_equals_one_process(pool, family, n, layout, video):
         assert max(ratios.values()) <= 1, (family, why, ratios)
 
 
+def test_gemma3_images_in_query_blocks(pool):
+    """Gemma 3's chunks holding images, 3 queries at a time (blocks that cut its images and its
+    sliding window unevenly), on 4 ranks under head_tail: exact."""
+    for ratios, why in pool.run(("first", 4), media_cases.compare, "gemma3", "head_tail", False, 3)[0]:
+        assert max(ratios.values()) <= 1, (why, ratios)
+
+
 def test_unverified_media_are_refused(pool):
     """A family whose images are not verified under CP (VipLLaVA): refused, saying so, on every rank."""
     for message in pool.run(("first", 2), media_cases.refused, "vipllava")[0]:

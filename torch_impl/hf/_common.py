@@ -31,9 +31,16 @@ class Context(NamedTuple):
     chunks: Documents | None  # chunked-attention layers' attention chunks (within documents)
     padding: torch.Tensor | None  # the attention_mask by global row, bool [B, S]; None: none given
     kinds: frozenset | None  # the attention layer types the model has; None: any mask it makes
-    # images whose tokens see every token of their image (Gemma 3's): each token's image by global
-    # row, int [B, S] (-1: text); None: none
-    blocks: torch.Tensor | None = None
+    images: "Images | None" = None  # images whose tokens see each other (Gemma 3's); None: none
+
+
+class Images(NamedTuple):
+    """A batch's images whose tokens see every token of their image (Gemma 3's), the same on every
+    CP rank (from the gathered token types), made once per forward (torch_impl.hf.media.images)."""
+
+    ids: torch.Tensor  # int [B, S] by global row: each token's image, -1 for text
+    ahead: tuple  # per global chunk, how far past its end the image holding its last token runs on
+    seeing: frozenset  # the global chunks holding image tokens (in any row)
 
 
 class Aside(NamedTuple):

@@ -9,7 +9,10 @@ the pre-hook gathered once per forward (a mask function communicates nothing: so
 their masks in an order that differs between processes). Each layer then fetches its K and V in
 one exchange (`fetch_kv`: gather_sequence or gather_halo of both side by side) and attends per
 chunk at global rows (`attend_chunks`) through torch_impl.attention, or, for layers whose math
-it does not compute, through the model's own function on a dense [C, T] mask (`attend`).
+it does not compute, through the model's own function on a dense [C, T] mask (`attend`). Where
+image tokens see every token of their image (Gemma 3's; the Context's Images), a chunk's keys
+run on past its end as far as its last token's image (the fetch's lookahead), and a chunk holding
+image tokens attends on their rule (`attend_images`, `image_rule`).
 """
 
 from collections.abc import Callable
@@ -41,8 +44,8 @@ class ChunkKeys(NamedTuple):
     """One local chunk's keys for a kind of layer: its ShardPlan Window (queries at global rows
     [start, end), keys at [first_key, end + after)), those keys' rows in what `fetch_kv` returns,
     and their padding (bool [B, T], True: a token), document ids (int [B, T]) and, where some of
-    the chunk's queries are image tokens that see their whole image, image ids (int [B, T], -1:
-    text), or None."""
+    the chunk's queries (in any row) are image tokens that see their whole image, image ids (int
+    [B, T], -1: text), or None."""
 
     chunk: Window
     rows: slice
@@ -158,14 +161,15 @@ def make_mask(context, attention_mask, window, documents):
             "not have, whose other shards this rank cannot know"
         )
     padding = None if attention_mask is None else context.padding  # bool [B, S]
-    ahead, seeing = image_reach(context.blocks, context.shard) if context.blocks is not None else (0, ())
+    images = context.images
+    ahead = 0 if images is None else images.ahead  # per global chunk: its images' tokens after it
     chunks = tuple(
         ChunkKeys(
             w,
             rows,
             None if padding is None else padding[:, w.keys],  # [B, T]
             None if documents is None else documents.ids[:, w.keys],  # [B, T]
-            context.blocks[:, w.keys] if w.chunk in seeing else None,  # [B, T]
+            images.ids[:, w.keys] if images is not None and w.chunk in images.seeing else None,  # [B, T]
         )
         for w, rows in _key_rows(context.shard, reach, ahead)
     )
@@ -180,36 +184,19 @@ def _key_rows(shard, reach, lookahead=0):
     return tuple((w, w.segment) for w in shard.windows(reach, lookahead=lookahead))
 
 
-def image_reach(blocks, shard):
-    """(per global chunk, how many tokens past its end the image holding its last token runs on,
-    the most over the batch's rows; the global chunks some of whose tokens are image tokens),
-    from the image ids by global row (int [B, S], -1: text), in one host read."""
-    B, S = blocks.shape
-    rows = torch.arange(S, device=blocks.device).expand(B, S)
-    ids = blocks.clamp(min=0)  # [B, S]
-    last = torch.full_like(blocks, -1).scatter_reduce(1, ids, torch.where(blocks >= 0, rows, -1), "amax")
-    run_end = last.gather(1, ids) + 1  # [B, S]: one past the last token of each token's image
-    C, count = shard.chunk_len, shard.num_chunks
-    ends = torch.arange(C, count * C, C, device=blocks.device)  # every chunk's end but the last's
-    spill = torch.where(blocks[:, ends - 1] >= 0, run_end[:, ends - 1] - ends, 0).clamp(min=0)  # [B, count-1]
-    images = (blocks >= 0).view(B, count, C).any(dim=2).any(dim=0)  # [count]
-    ahead, seeing = torch.cat([spill.amax(dim=0), spill.new_zeros(1)]).tolist(), images.tolist()
-    return tuple(ahead), {c for c, image in enumerate(seeing) if image}
-
-
 def attend(module, query, key, value, keys, window, **kwargs):
     """The math for one chunk's queries (global rows w.start ..) over its keys (from w.first_key):
     torch_impl.attention (with the model's soft-cap and sinks), or the model's own mask and attention
     functions for a layer marked dense and for attention dropout (train mode), which the fused math
     does not apply.
 
-    query: [B, H, C, D]; key/value: [B, Hkv, T, D] for the keys w.first_key .. w.end - 1, whose
-    padding and documents `keys` (ChunkKeys) holds. Returns ([B, C, H, D], weights).
+    query: [B, H, C, D]; key/value: [B, Hkv, T, D] for the keys w.first_key .. w.end + w.after - 1,
+    whose padding, documents and images `keys` (ChunkKeys) holds. Returns ([B, C, H, D], weights).
     """
     w, padding, documents = keys.chunk, keys.padding, keys.documents
     setup, B, C = module.context_parallel, query.shape[0], query.shape[2]
     if keys.blocks is not None:  # image tokens that see later ones: their images' rule
-        return attend_visible(module, query, key, value, image_rule(keys, window, query.device), kwargs)
+        return attend_images(module, query, key, value, keys, window, kwargs)
     if setup.fallback is None and not kwargs.get("dropout", 0.0) > 0:
         check_fused_kwargs(module, kwargs)
         out = causal_attention(
@@ -247,18 +234,39 @@ def attend(module, query, key, value, keys, window, **kwargs):
     return setup.attend(module, query, key, value, mask, **kwargs)
 
 
-def image_rule(keys, window, device):
-    """bool [B, C, T]: which keys (global rows [first_key, end + after)) a chunk's queries see
-    where image tokens see every token of their image (Gemma 3's masks): causal, or the same image;
-    then within the window (W - 1 back, any distance forward) and not padding."""
+IMAGE_QUERY_BLOCK = 256  # queries whose image mask [B, block, keys] attend_images makes at once
+
+
+def attend_images(module, query, key, value, keys, window, kwargs):
+    """A chunk holding image tokens that see their whole image: per block of its queries, the
+    model's own attention over the keys they reach (W - 1 back on a sliding layer, then on to the
+    chunk's lookahead's end) on image_rule's dense mask [B, block, k]. query [B, H, C, D];
+    key/value [B, Hkv, T, D] at global rows [first_key, end + after). Returns ([B, C, H, D], None)."""
+    assert keys.documents is None, "packed rows with images are refused"
+    w, outs, block = keys.chunk, [], IMAGE_QUERY_BLOCK
+    for q0 in range(w.start, w.end, block):
+        q1 = min(q0 + block, w.end)
+        k0 = w.first_key if window is None else max(w.first_key, q0 - window + 1)
+        cut, local = slice(k0 - w.first_key, None), slice(q0 - w.start, q1 - w.start)
+        seen = image_rule(keys, window, range(q0, q1), cut, query.device)  # [B, block, k]
+        out, _ = attend_visible(module, query[:, :, local], key[:, :, cut], value[:, :, cut], seen, kwargs)
+        outs.append(out)  # [B, block, H, D]
+    return torch.cat(outs, dim=1), None
+
+
+def image_rule(keys, window, queries, cut, device):
+    """bool [B, q, k]: which keys (ChunkKeys columns `cut`) queries at global rows `queries` see
+    where image tokens see every token of their image (Gemma 3's masks): causal, or the same
+    image; then within the window (W - 1 back, any distance forward) and not padding."""
     w = keys.chunk
-    q = torch.arange(w.start, w.end, device=device)[:, None]  # [C, 1]
-    k = torch.arange(w.first_key, w.end + w.after, device=device)[None]  # [1, T]
-    own = keys.blocks[:, w.start - w.first_key : w.end - w.first_key, None]  # [B, C, 1]
-    seen = (k <= q)[None] | ((own == keys.blocks[:, None]) & (own >= 0))  # [B, C, T]
+    q = torch.arange(queries.start, queries.stop, device=device)[:, None]  # [q, 1]
+    k = torch.arange(w.first_key, w.end + w.after, device=device)[None, cut]  # [1, k]
+    own = keys.blocks[:, queries.start - w.first_key : queries.stop - w.first_key, None]  # [B, q, 1]
+    theirs = keys.blocks[:, None, cut]  # [B, 1, k]
+    seen = (k <= q)[None] | ((own == theirs) & (own >= 0))  # [B, q, k]
     if window is not None:
         seen = seen & (k > q - window)[None]
-    return seen if keys.padding is None else seen & keys.padding[:, None]
+    return seen if keys.padding is None else seen & keys.padding[:, None, cut]
 
 
 def check_fused_kwargs(module, kwargs):
@@ -327,8 +335,9 @@ def attention(module, query, key, value, attention_mask, **kwargs):
             setup.query_scale(t).to(query.dtype) for t in (torch.arange(len(rows), device=query.device), rows)
         )
         query = query / local[:, None] * wanted[:, None]  # [B, H, L, D]
-    key, value = fetch_kv(attention_mask.context, key, value, attention_mask.reach, attention_mask.lookahead)
-    return attend_chunks(module, query, key, value, attention_mask, **kwargs)  # (key, value: [B, Hkv, T, D])
+    mask = attention_mask
+    key, value = fetch_kv(mask.context, key, value, mask.reach, mask.lookahead)  # [B, Hkv, T, D]
+    return attend_chunks(module, query, key, value, mask, **kwargs)
 
 
 def attend_chunks(module, query, key, value, mask, **kwargs):

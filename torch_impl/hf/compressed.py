@@ -134,6 +134,7 @@ def compressed_attention(module, query, key, value, mask, **kwargs):
     if value is not key:
         raise ValueError(f"torch_impl.hf: {type(module).__name__} passed different keys and values")
     context, (B, _, L, _) = mask.context, query.shape
+    assert all(keys.blocks is None for keys in mask.chunks), "no images that see later tokens here"
     own, entries = key[:, :, :L], key[:, :, L:]  # [B, 1, L, D], [B, 1, T, D]
     fetched, _ = fetch_kv(context, own, own, mask.reach)  # [B, 1, T', D]: sent once, K is V
     visible, module.compressor.visible = module.compressor.visible, None  # [B, L, T], or None

@@ -96,6 +96,7 @@ def relative_attention(module, query, key, value, mask, position_bias, sinks=Non
     context, (B, H, L, _) = mask.context, query.shape
     table, scale = position_bias, log_scale(module)  # [B, H, L, E]
     assert table.shape[-1] == module.rel_logits_proj.rel_extent, table.shape  # RelativeTable's
+    assert all(keys.blocks is None for keys in mask.chunks), "no images that see later tokens here"
     if scale is not None:  # the model's factor (1 on the rank's local rows), at the global positions
         floor = module.config.log_scaling_n_floor
         if L > floor:

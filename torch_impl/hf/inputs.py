@@ -203,15 +203,16 @@ class ModelInputs:
         # token), not by the mask functions, which some models call in an order that differs
         # between processes (over a set of layer types)
         padded = None if padding is None else gather(padding.bool())
-        changes, blocks = {}, None
+        changes, images = {}, None
         if media.given(argument, self.arguments.names):  # images, videos: the model's merge, sharded
             types = next((argument(k) for k in TYPE_KEYS if argument(k) is not None), None)
             types = None if types is None else gather(types)  # [B, S]
             ids, rows = gather(argument("input_ids")), shard.rows(tokens.device)  # [B, S], [L]
             changes = media.inputs(module, argument, ids, types, padded, rows, self.group)
             positions = changes.pop("position_ids", positions)  # [3, B, L] where the model's mRoPE
-            blocks = media.blocks(module, types)  # [B, S]: images whose tokens see each other
-            if blocks is not None:  # the model makes causal masks; the attention adds the images
+            if argument("token_type_ids") is not None:  # (what Gemma 3's masks read)
+                images = media.images(module, gather(argument("token_type_ids")), shard)
+            if images is not None:  # the model makes causal masks; the attention adds the images
                 changes["token_type_ids"] = None
         documents = everywhere = None
         packed = positions is not None and positions.ndim == 2 and padding is None and cache is None
@@ -224,15 +225,16 @@ class ModelInputs:
                 "isolate_documents=, pass an attention_mask (the documents then attend across each "
                 "other) or unpacked rows"
             )
-        if packed and blocks is not None:
-            raise ValueError(
-                f"`{IMPLEMENTATION}`: packed rows (position_ids without attention_mask) with images whose "
-                f"tokens see each other ({module.config.model_type}): transformers' sliding masks read "
-                "the image ids at each document's own positions, which mixes documents; pass unpacked rows"
-            )
         if packed and self.isolates:  # as one process would
             everywhere = gather(positions.expand(B, -1).contiguous())  # [B, S]
             documents = packed_ids(everywhere)  # [B, S]
+            if images is not None and bool((documents[:, -1] != documents[:, 0]).any()):
+                raise ValueError(
+                    f"`{IMPLEMENTATION}`: packed rows (position_ids restarting, no attention_mask) with "
+                    f"images whose tokens see each other ({module.config.model_type}): transformers' "
+                    "sliding masks read the image ids at each document's own positions, which mixes "
+                    "documents; pass unpacked rows"
+                )
         if positions is None:
             ids = argument("input_ids") if self.positions.needs_ids else None
             rows = shard.rows(tokens.device)[None]  # [1, L]: this rank's global rows
@@ -242,7 +244,7 @@ class ModelInputs:
             S = L * _group.world_size(self.group)
             chunks = chunk_ids(self.chunk, padded, documents, everywhere, B, S, tokens.device)  # [B, S]
         documents, chunks = _documents(documents, chunks, shard.chunk_len)
-        context = Context(self.owner, self.group, shard, documents, chunks, padded, self.kinds, blocks)
+        context = Context(self.owner, self.group, shard, documents, chunks, padded, self.kinds, images)
         self.outer.append(RUNNING.context)
         RUNNING.context = context
         if self.indexed:

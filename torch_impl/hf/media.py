@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from torch_impl import _group
-from torch_impl.hf._common import IMPLEMENTATION
+from torch_impl.hf._common import IMPLEMENTATION, Images
 from torch_impl.metadata import gather_metadata
 from torch_impl.sequence import gather_sequence
 
@@ -58,9 +58,6 @@ VERIFIED = (
 # families whose image tokens (token_type_ids 1) see every token of their image, later ones
 # included: the attention fetches each image's rest (torch_impl.hf.attention.image_reach)
 BLOCKWISE = ("gemma3",)
-WHY = {  # model type: why its media are refused
-    "paligemma": "attends bidirectionally over its image and prefix, which reads later ranks' tokens",
-}
 
 
 def given(argument, names):
@@ -72,9 +69,9 @@ def refusal(module, argument, media):
     """What is wrong with giving this model these media under CP, or None."""
     model_type = getattr(module.config, "model_type", type(module).__name__)
     if model_type not in VERIFIED:
-        why = WHY.get(model_type, "its vision inputs are not verified under CP")
         return (
-            f"`{IMPLEMENTATION}`: {type(module).__name__} was given {media}: {model_type} {why}; "
+            f"`{IMPLEMENTATION}`: {type(module).__name__} was given {media}: {model_type} its vision "
+            "inputs are not verified under CP; "
             f"images and videos are split across CP ranks for {', '.join(VERIFIED)}"
         )
     if argument("input_ids") is None:
@@ -118,15 +115,27 @@ def inputs(module, argument, ids, types, padding, rows, group):
     return changes
 
 
-def blocks(module, types):
-    """Each token's image by global row (int [B, S], -1: text) for a family in BLOCKWISE, whose
-    images' tokens see each other (as transformers' get_block_sequence_ids_for_mask numbers
-    them: runs of image tokens); else None. types: the gathered token types [B, S], or None."""
+def images(module, types, shard):
+    """For a family in BLOCKWISE, whose images' tokens see each other: its Images (each token's
+    image numbered as transformers' get_block_sequence_ids_for_mask does: runs of image tokens;
+    per global chunk how far its last token's image runs on past its end, the most over the
+    batch's rows; the chunks holding image tokens), in one host read; else None. types: the
+    gathered `token_type_ids` [B, S] (the types the model's masks read), or None."""
     if types is None or getattr(module.config, "model_type", None) not in BLOCKWISE:
         return None
     image = types == 1  # [B, S]
     starts = image & ~F.pad(image, (1, 0))[:, :-1]
-    return torch.where(image, starts.long().cumsum(dim=1) - 1, -1)
+    ids = torch.where(image, starts.long().cumsum(dim=1) - 1, -1)  # [B, S]
+    (B, S), C, count = ids.shape, shard.chunk_len, shard.num_chunks
+    rows = torch.arange(S, device=ids.device).expand(B, S)
+    last = torch.full_like(ids, -1)  # [B, S]: per image id, its last row (text scatters -1 into slot 0)
+    last = last.scatter_reduce(1, ids.clamp(min=0), torch.where(image, rows, -1), "amax")
+    run_end = last.gather(1, ids.clamp(min=0)) + 1  # [B, S]: one past each token's image
+    ends = torch.arange(C, count * C, C, device=ids.device)  # [count - 1]: every chunk's end but the last's
+    spill = torch.where(image[:, ends - 1], run_end[:, ends - 1] - ends, 0).clamp(min=0)  # [B, count - 1]
+    seeing = image.view(B, count, C).any(dim=2).any(dim=0)  # [count]
+    both = torch.cat([spill.amax(dim=0), spill.new_zeros(1), seeing.long()]).tolist()
+    return Images(ids, tuple(both[:count]), frozenset(c for c in range(count) if both[count + c]))
 
 
 def _positions(module, argument, ids, types, padding):
