@@ -132,12 +132,12 @@ def compare(group, model_type, layout="contiguous", video=False, block=None):
     """The worst difference / bound of logits, loss and gradients (zoo_cases._ratios), and what
     came out worst; the vision tower's gradients are among them. `block`: the queries a chunk
     with images that see each other attends at once (default: attention.IMAGE_QUERY_BLOCK)."""
-    if block is not None:
-        attention.IMAGE_QUERY_BLOCK = block  # (a worker of the suite's pool: reset below)
+    default = attention.IMAGE_QUERY_BLOCK  # (a worker of the suite's pool: reset below)
+    attention.IMAGE_QUERY_BLOCK = default if block is None else block
     try:
         return _compare(group, model_type, layout, video)
     finally:
-        attention.IMAGE_QUERY_BLOCK = 256
+        attention.IMAGE_QUERY_BLOCK = default
 
 
 def _compare(group, model_type, layout, video):

@@ -210,8 +210,8 @@ class ModelInputs:
             ids, rows = gather(argument("input_ids")), shard.rows(tokens.device)  # [B, S], [L]
             changes = media.inputs(module, argument, ids, types, padded, rows, self.group)
             positions = changes.pop("position_ids", positions)  # [3, B, L] where the model's mRoPE
-            if argument("token_type_ids") is not None:  # (what Gemma 3's masks read)
-                images = media.images(module, gather(argument("token_type_ids")), shard)
+            if argument("token_type_ids") is not None:  # (TYPE_KEYS' first: what Gemma 3's masks read)
+                images = media.images(module, types, shard)
             if images is not None:  # the model makes causal masks; the attention adds the images
                 changes["token_type_ids"] = None
         documents = everywhere = None

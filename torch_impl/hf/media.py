@@ -56,7 +56,8 @@ VERIFIED = (
     *("llava", "mistral3", "lighton_ocr", "aya_vision", "cohere2_vision", "internvl", "gemma3"),
 )
 # families whose image tokens (token_type_ids 1) see every token of their image, later ones
-# included: the attention fetches each image's rest (torch_impl.hf.attention.image_reach)
+# included: `images` numbers them, the attention fetches each image's rest and attends on their
+# rule (torch_impl.hf.attention.attend_images)
 BLOCKWISE = ("gemma3",)
 
 
