@@ -15,7 +15,7 @@ import torch
 
 from torch_impl.attention import sparse_mla_attention
 from torch_impl.halo import gather_halo
-from torch_impl.hf._common import stepping_aside
+from torch_impl.hf._common import attend_visible, stepping_aside
 from torch_impl.sequence import gather_sequence
 
 
@@ -257,16 +257,5 @@ def qsa_attention(module, query, key, value, selection, **kwargs):
     D = key.shape[-1]
     both = context.prefix(torch.cat([key, value], dim=-1).transpose(1, 2))  # [B, T, Hkv, D + Dv]
     key, value = (t.transpose(1, 2) for t in both.split([D, both.shape[-1] - D], dim=-1))  # [B, Hkv, T, .]
-    setup, (B, _, L, _), T = module.context_parallel, query.shape, key.shape[2]
-    assert picked.shape[-1] == T, (picked.shape, T)  # the indexer's keys are the attention's
-    mask = setup.make_mask(
-        batch_size=B,
-        q_length=L,
-        kv_length=T,
-        mask_function=lambda b, h, q, kv: picked[b, q, kv],
-        allow_is_causal_skip=False,
-        dtype=query.dtype,
-        device=query.device,
-        config=module.config,
-    )  # [B, 1, L, T]
-    return setup.attend(module, query, key, value, mask, **kwargs)
+    assert picked.shape[-1] == key.shape[2], (picked.shape, key.shape)  # the indexer's keys: the attention's
+    return attend_visible(module, query, key, value, picked, kwargs)
