@@ -197,6 +197,8 @@ def _configs(head_dim=8):
         # Inkling's relative logits and short convs (the sweep's; Inkling2's router runs in float32,
         # which a float64 model cannot)
         "inkling": lambda: zoo.build("inkling_text"),
+        # Qwen4: Gated DeltaNet with per-layer embeddings (n-grams, a dilated conv), QSA (the sweep's)
+        "qwen4_ple": lambda: zoo.build("qwen4_exp_text"),
         # refused by parallelize
         "t5": lambda: tf.T5ForConditionalGeneration(
             tf.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=1, num_heads=4)

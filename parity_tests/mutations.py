@@ -387,6 +387,27 @@ MUTATIONS += [
         "halo = torch.zeros_like(fetched[:, w.segment][:, :before])",
         ("parity_tests/test_models.py", "-k", "family_equals and inkling2_text"),
     ),
+    Mutation(  # Qwen4's PLE: the n-grams of a chunk's first tokens without the ids before the chunk
+        "ple_ngrams_cut_at_the_chunk",
+        "torch_impl/hf/ple.py",
+        "ids_ = ids_.masked_fill(rows < start, self.ple_embedding.eos_token_id)",
+        "ids_ = ids_.masked_fill((rows < start) | (rows < w.start), self.ple_embedding.eos_token_id)",
+        ("parity_tests/test_models.py", "-k", "family_equals and qwen4_exp_text"),
+    ),
+    Mutation(  # Qwen4's PLE: its dilated conv reading the earlier rank's rows as zeros
+        "ple_conv_without_its_halo",
+        "torch_impl/hf/ple.py",
+        "x = chunk_states[b, begin - w.first_key : stop - w.first_key]",
+        "x = chunk_states[b, begin - w.first_key : stop - w.first_key] * (rows[back:] >= w.start)[:, None]",
+        ("parity_tests/test_models.py", "-k", "family_equals and qwen4_exp_text"),
+    ),
+    Mutation(  # Qwen4's PLE: packed documents' n-grams reading ids of the document before
+        "ple_ngrams_across_a_document_start",
+        "torch_impl/hf/ple.py",
+        "start = rows.new_zeros(()) if first is None else first[b, begin][:, None]",
+        "start = rows.new_zeros(())",
+        ("parity_tests/test_models.py", "-k", "family_equals and qwen4_exp_text"),
+    ),
     Mutation(  # DeepSeek V4: entries of windows not closed yet (HCA's; CSA's indexer) seen by a query
         "compressed_entry_seen_before_its_window_closes",
         "torch_impl/hf/compressed.py",

@@ -234,6 +234,13 @@ FAMILY = {
         indexer_head_dim=8,
         indexer_budget=16,
         indexer_compress_ratio=4,
+        # per-layer embeddings (off by default) on its linear layer: n-grams of 3 ids (2 back), a
+        # conv of kernel 4 and dilation 3 (9 back, past head_tail's 8-token chunks)
+        ple_layer_ids=[1],
+        eos_token_id=1,
+        heads_per_ngram=2,
+        ngram_vocab_size_base=40,
+        make_ngram_vocab_size_divisible_by=8,
     ),  # QSA indexer fields default None
     "zaya": dict(num_experts_per_tok=1, router_hidden_size=16),  # only top-1 supported
     "zamba": dict(

@@ -188,3 +188,25 @@ def attend_visible(module, query, key, value, visible, kwargs):
         config=module.config,
     )  # [B, 1, q, k]
     return setup.attend(module, query, key, value, dense, **kwargs)
+
+
+def by_document(run, first, window, reach):
+    """A local chunk's outputs [B, C, ...] from a layer's own forward that reads `reach` rows back:
+    `run(b, begin, stop)` runs it over global rows [begin, stop) of batch rows b (a slice) and
+    returns [b, stop - begin, ...]. Where no document begins within reach of the chunk (`first`:
+    int [B, S], each token's document start by global row; None: no documents), one run over the
+    chunk's window; else, per row, one run per piece of a document, from its start or `reach`
+    rows before the piece, whichever is later, so that nothing before a document's start is read."""
+    w, C = window, window.end - window.start
+    starts = None if first is None else first[:, w.start : w.end]  # [B, C]
+    if starts is None or bool((starts <= w.first_key).all()):
+        return run(slice(None), w.first_key, w.end)[:, -C:]
+    rows = []
+    for b, row in enumerate(starts.tolist()):
+        cuts = [t for t in range(C) if t == 0 or row[t] == w.start + t] + [C]
+        pieces = [
+            run(slice(b, b + 1), max(row[lo], w.start + lo - reach), w.start + hi)[:, -(hi - lo) :]
+            for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)
+        ]
+        rows.append(torch.cat(pieces, dim=1))
+    return torch.cat(rows, dim=0)

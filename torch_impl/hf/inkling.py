@@ -29,6 +29,7 @@ from torch_impl import _group
 from torch_impl.halo import gather_halo
 from torch_impl.hf._common import (
     attend_visible,
+    by_document,
     check_stateless,
     fetch_kv,
     query_blocks,
@@ -174,22 +175,10 @@ class TokenConvHalo:
 
     def _chunk(self, x, dyn, cmask, w, first, reach):
         """The chunk w's outputs [B, C, hidden] from x, dyn and cmask at global rows [first_key, end)."""
-        C = w.end - w.start
 
         def run(b, begin, stop):  # the model's forward over rows [begin, stop) of batch rows b
             at = slice(begin - w.first_key, stop - w.first_key)
             mask_ = None if cmask is None else cmask[b, at]
             return super(TokenConvHalo, self).forward(x[b, at], dyn[b, at], None, mask_)
 
-        starts = None if first is None else first[:, w.start : w.end]  # [B, C]
-        if starts is None or bool((starts <= w.first_key).all()):  # no document begins in reach
-            return run(slice(None), w.first_key, w.end)[:, -C:]
-        rows = []
-        for b, row in enumerate(starts.tolist()):
-            cuts = [t for t in range(C) if t == 0 or row[t] == w.start + t] + [C]
-            pieces = [
-                run(slice(b, b + 1), max(row[lo], w.start + lo - reach), w.start + hi)[:, -(hi - lo) :]
-                for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)
-            ]
-            rows.append(torch.cat(pieces, dim=1))
-        return torch.cat(rows, dim=0)
+        return by_document(run, first, w, reach)

@@ -25,6 +25,7 @@ from torch_impl.hf.documents import OneRankDocuments, Packed, isolates_documents
 from torch_impl.hf.heads import apply_head, check_head
 from torch_impl.hf.indexed import AbsorbedMLA, BlockedIndexer, QSAIndexer
 from torch_impl.hf.inkling import RelativeTable, TokenConvHalo, is_relative, is_token_conv
+from torch_impl.hf.ple import PLEHalo, is_ple
 from torch_impl.hf.inputs import MaskCountPositions, ModelInputs, PaddingIndexPositions, Positions
 from torch_impl.hf.mlstm import check_mlstm, is_mlstm
 from torch_impl.hf.recurrent import CONV, KERNELS, apply_recurrent, is_known, is_lightning, is_short_conv
@@ -137,7 +138,7 @@ def _kind(name, module, family=""):
         if not is_short_conv(module):
             raise _refuse(name, module, f"does not call `{CONV}` over its own depthwise `conv`")
         return "short_conv"
-    if is_token_conv(module):
+    if is_token_conv(module) or is_ple(module):
         return "token_conv"
     if is_mlstm(module) and check_mlstm(module):
         raise _refuse(name, module, check_mlstm(module))
@@ -408,12 +409,19 @@ def apply_short_conv(convs, group, layout="contiguous"):
 
 def apply_token_conv(convs, group, layout="contiguous"):
     """Every token-dependent short conv (Inkling2's) runs its own forward per chunk over a halo of
-    kernel - 1 inputs (torch_impl.hf.inkling.TokenConvHalo). Returns which path they take."""
+    kernel - 1 inputs (torch_impl.hf.inkling.TokenConvHalo), every PLE layer (Qwen4's) over the
+    rows its dilated conv reads, given the ids its n-grams read (torch_impl.hf.ple.PLEHalo).
+    Returns which path they take."""
     paths = {}
     for module in convs:
-        mix(module, TokenConvHalo).cp_packed = Packed(group)
+        if is_ple(module):
+            path = "its own forward per chunk over the (kernel - 1) * dilation rows before it, given "
+            path += "the n-grams' ids before those"
+        else:
+            path = "its own forward per chunk over a halo of kernel - 1 inputs"
+        mix(module, PLEHalo if is_ple(module) else TokenConvHalo).cp_packed = Packed(group)
         module.cp_layout = layout
-        paths[type(module).__name__] = "its own forward per chunk over a halo of kernel - 1 inputs"
+        paths[type(module).__name__] = path
     return paths
 
 
@@ -516,7 +524,7 @@ def _one_rank(model, isolates):
         for module in decoder.modules()
         if is_known(module) or type(module).__name__ in SHORT_CONVS and is_short_conv(module)
     ]
-    token_convs = [module for module in decoder.modules() if is_token_conv(module)]
+    token_convs = [module for module in decoder.modules() if is_token_conv(module) or is_ple(module)]
     hooked = list(dict.fromkeys([model.base_model, decoder]))
     if not (linear or token_convs) or not (isolates_documents(hooked) if isolates is None else isolates):
         return model
