@@ -16,7 +16,11 @@ from torch_impl import hf
 from torch_impl.hf import attention, media
 
 S = 32
-QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+# families whose processors give patch rows and (t, h, w) grids, as Qwen's
+GRIDS_OF = (
+    *("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp"),
+    *("cosmos3_omni", "hyperclovax_vision_v2", "exaone4_5", "minimax_m3_vl", "dots3_note"),
+)
 VISION = {  # the vision tower's tiny sizes: images of 4 tokens
     "llava": dict(image_size=16, patch_size=8),
     "mistral3": dict(image_size=16, patch_size=4),
@@ -25,6 +29,9 @@ VISION = {  # the vision tower's tiny sizes: images of 4 tokens
     "cohere2_vision": dict(image_size=16, patch_size=4),
     "internvl": dict(image_size=[16, 16], patch_size=[4, 4]),
     "gemma3": dict(image_size=24, patch_size=4),  # 6 x 6 patches pooled to 3 x 3: images of 9 tokens
+    "deepseek_vl": dict(image_size=16, patch_size=8),
+    "video_llava": dict(image_size=16, patch_size=8),
+    "qianfan_ocr": dict(image_size=[16, 16], patch_size=[4, 4]),
 }
 MM_TOKENS = {"gemma3": 9}  # config.mm_tokens_per_image
 IMAGE_SIZES = ("mistral3", "lighton_ocr")  # their images come with their sizes
@@ -63,7 +70,7 @@ def media_batch(config, video=False, seed=3, count=4):
     """The module docstring's batch: token ids, attention_mask, labels, the processor's media and
     token types (1: image, 2: video)."""
     gen = torch.Generator().manual_seed(seed)
-    qwen = config.model_type in QWEN
+    qwen = config.model_type in GRIDS_OF
     image, video_id = config.image_token_id, getattr(config, "video_token_id", None)
     marks = [getattr(config, k, None) for k in ("vision_start_token_id", "vision_end_token_id")]
     special = {image, video_id, *marks, getattr(config.get_text_config(), "pad_token_id", None)}
@@ -84,13 +91,14 @@ def media_batch(config, video=False, seed=3, count=4):
         for first, tokens in segments:
             ids[row, first : first + tokens] = image if kind == 1 else video_id
             types[row, first : first + tokens] = kind
-            if qwen:
+            if qwen and None not in marks:  # (a family whose config names no such marks: none)
                 ids[row, first - 1], ids[row, first + tokens] = marks
     labels = ids.masked_fill(mask == 0, -100)
     batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
     vision = config.vision_config
     if qwen:
-        width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+        channels = getattr(vision, "in_channels", None) or vision.num_channels
+        width = channels * getattr(vision, "temporal_patch_size", 1) * vision.patch_size**2
         rows = sum(t * h * w for t, h, w in grids)
         batch |= {"pixel_values": torch.randn(rows, width, generator=gen, dtype=torch.float64)}
         batch |= {"image_grid_thw": torch.tensor(grids), "mm_token_type_ids": types}
@@ -114,7 +122,7 @@ def tokens_an_image(model):
     """How many placeholder tokens one of media_batch's images takes (its features' rows), for the
     families without a grid (Qwen's are counted from it)."""
     config = model.config
-    if config.model_type in QWEN:
+    if config.model_type in GRIDS_OF:
         return None
     one = media_batch(config, count=1)
     kwargs = {key: one[key][:1] for key in ("pixel_values", "image_sizes") if key in one}
@@ -182,6 +190,18 @@ def packed_refused(group, model_type):
     batch = media_batch(model.config, count=tokens_an_image(model))
     del batch["attention_mask"]
     batch["position_ids"] = torch.arange(S).remainder(S // 2).expand(2, S)  # two documents a row
+    try:
+        model(**hf.shard_batch(batch, group))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def video_refused(group, model_type):
+    """The ValueError of a family whose images are split but whose videos are not, given a video."""
+    model = build(model_type)
+    hf.parallelize(model, group, verbose=False)
+    batch = media_batch(model.config, video=True)
     try:
         model(**hf.shard_batch(batch, group))
     except ValueError as e:

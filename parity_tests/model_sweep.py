@@ -20,8 +20,9 @@ import re
 import sys
 import time
 
-from parity_tests import zoo, zoo_cases
+from parity_tests import media_cases, zoo, zoo_cases
 from parity_tests.workers import CaseFailed, WorkerPool
+from torch_impl.hf import media
 
 ROOT = Path(__file__).resolve().parent.parent
 MATRIX = ROOT / "docs" / "models.md"
@@ -63,6 +64,25 @@ def sweep_family(pool, model_type, cp=True, cases=None, task="causal_lm"):
     return results
 
 
+def media_verdict(pool, model_type):
+    """An image-text family's verdict on media_cases' batch of images (and of a video, where its
+    videos are split): exact or wrong (worst of both, each rank's worst difference / bound), crash,
+    or refused for a family whose media the adapter does not split (media.VERIFIED, VIDEOS)."""
+    if model_type not in media.VERIFIED:
+        return "refused", "its vision inputs are not verified under CP"
+    verdicts = []
+    for video in (False, True) if model_type in media.VIDEOS else (False,):
+        try:
+            ranks = pool.run(
+                GROUPING, media_cases.compare, model_type, "contiguous", video, timeout=CASE_TIMEOUT_S
+            )
+        except CaseFailed as e:
+            return "crash", str(e)[-2000:]
+        worst = max(max(ratios.values()) for ratios, _ in ranks[0])
+        verdicts.append(("exact" if worst <= 1 else "wrong", f"{'video' if video else 'images'} {worst:.2g}"))
+    return min(verdicts, key=lambda v: ORDER.index(v[0]))[0], ", ".join(why for _, why in verdicts)
+
+
 def verdict(results):
     """(verdict, why) of a family: wrong or crash if any case is; else the first case's (padded
     rows), with the later cases that were refused or skipped named in `why`."""
@@ -97,6 +117,9 @@ def main(argv=None):
                 ratios = [r for _, _, *ranks in results.values() for r in ranks if r]
                 worst = max((max(r.values()) for r in ratios), default=None)  # difference / bound
                 row = {"task": task, "model_type": model_type, "verdict": outcome, "why": why, "worst": worst}
+                if task == "image_text" and outcome == "exact":
+                    row["media"], row["media_why"] = media_verdict(pool, model_type)
+                    why = f"media {row['media']} ({row['media_why'][:100]}) {why}"
                 rows.append(row | zoo.describe(model_type, task))
                 print(
                     f"{task:10s} {model_type:28s} {outcome:8s} {time.monotonic() - t:5.1f}s  {why[:150]}",
@@ -106,6 +129,8 @@ def main(argv=None):
         pool.close()
     counts = {v: sum(row["verdict"] == v for row in rows) for v in ORDER}
     print(f"{len(rows)} families in {time.monotonic() - start:.0f}s: {counts}")
+    media_counts = {v: sum(row.get("media") == v for row in rows) for v in ORDER}
+    print(f"image batches: {media_counts}")
     closest = max(
         (row for row in rows if row["verdict"] == "exact"), key=lambda row: row["worst"], default=None
     )
@@ -116,7 +141,8 @@ def main(argv=None):
     if not args.no_write and not args.families:
         MATRIX.write_text(matrix(rows))
         print(f"wrote {MATRIX.relative_to(ROOT)}")
-    return 1 if counts["wrong"] or counts["crash"] else 0
+    bad = counts["wrong"] + counts["crash"] + media_counts["wrong"] + media_counts["crash"]
+    return 1 if bad else 0
 
 
 def _reason(why):
@@ -154,21 +180,33 @@ def matrix(rows):
         "here at all. A run without `parallelize` comes out wrong for every family that mixes tokens.",
         "",
         *_section(rows, "##"),
-        "## Image-text-to-text classes, on text-only batches",
+        "## Image-text-to-text classes, on text-only batches and on images",
         "",
         "Every class of `MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`, built tiny the same way, on the same "
         "text batches, and on padded rows carrying the token types a processor returns for text (all 0: "
         "`token_type_ids` or `mm_token_type_ids`, where the forward takes one), which `hf.shard_batch` "
-        "accepts. Batches with images and videos are tested per family in `parity_tests/test_hf_media.py` "
+        "accepts. **media**: each family exact on text, given media_cases' batch of three images whose "
+        "placeholder tokens straddle the shard edges, in a padded row (and a video in the same place, "
+        "where its videos are split: `media.VIDEOS`), on 2 ranks against one process, the vision tower's "
+        "gradients included (its worst difference / bound); refused: the adapter does not split its "
+        "images (`media.VERIFIED`), which `parity_tests/test_hf_media.py` runs on 2 and 4 ranks "
         "(docs/hf.md, Images and videos).",
         "",
-        *_section(image_text, "###"),
+        f"Media: {_media_counts(image_text)}.",
+        "",
+        *_section(image_text, "###", media=True),
     ]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def _section(rows, level):
-    """A sweep's lines: its counts, its refusals grouped by reason, one row per family."""
+def _media_counts(rows):
+    counts = {v: sum(row.get("media") == v for row in rows) for v in ORDER}
+    return ", ".join(f"{v} {counts[v]}" for v in ORDER if counts[v])
+
+
+def _section(rows, level, media=False):
+    """A sweep's lines: its counts, its refusals grouped by reason, one row per family (with the
+    media batch's verdict: `media`)."""
     counts = {v: sum(row["verdict"] == v for row in rows) for v in ORDER}
     lines = [
         "| verdict | families |",
@@ -190,14 +228,15 @@ def _section(rows, level):
         "",
         f"{level} Every family",
         "",
-        "| model type | class | layer kinds | verdict | why |",
-        "|---|---|---|---|---|",
+        "| model type | class | layer kinds | verdict | why |" + (" media |" if media else ""),
+        "|---|---|---|---|---|" + ("---|" if media else ""),
     ]
     for row in rows:
         why = "" if row["verdict"] == "exact" else row["why"].replace("|", "\\|")
-        lines.append(
-            f"| `{row['model_type']}` | `{row['class']}` | {row['layers']} | {row['verdict']} | {why} |"
-        )
+        line = f"| `{row['model_type']}` | `{row['class']}` | {row['layers']} | {row['verdict']} | {why} |"
+        if media:
+            line += f" {row['media']} ({row['media_why']}) |" if "media" in row else " |"
+        lines.append(line)
     return [*lines, ""]
 
 

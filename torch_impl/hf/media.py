@@ -50,10 +50,17 @@ MODALITIES = {
 MEDIA_KEYS = tuple(k for m in MODALITIES.values() for k in (m.pixels, m.grid, *m.per_item)) + (
     "second_per_grid_ts",
 )
-# the families whose media are exact under CP (parity_tests/test_hf_media.py); others are refused
+# the families whose images are exact under CP (parity_tests/test_hf_media.py); others are refused
 VERIFIED = (
-    *("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
+    *("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp"),
+    *("cosmos3_omni", "hyperclovax_vision_v2", "exaone4_5", "minimax_m3_vl", "dots3_note"),
     *("llava", "mistral3", "lighton_ocr", "aya_vision", "cohere2_vision", "internvl", "gemma3"),
+    *("deepseek_vl", "video_llava", "qianfan_ocr"),
+)
+# those whose videos are too (MiniMax-M3-VL's come out wrong: refused)
+VIDEOS = (
+    *("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
+    *("hyperclovax_vision_v2", "exaone4_5"),
 )
 # families whose image tokens (token_type_ids 1) see every token of their image, later ones
 # included: `images` numbers them, the attention fetches each image's rest and attends on their
@@ -69,11 +76,12 @@ def given(argument, names):
 def refusal(module, argument, media):
     """What is wrong with giving this model these media under CP, or None."""
     model_type = getattr(module.config, "model_type", type(module).__name__)
-    if model_type not in VERIFIED:
+    videos = MODALITIES["video"].pixels in media
+    if model_type not in VERIFIED or videos and model_type not in VIDEOS:
+        kind, verified = ("videos", VIDEOS) if model_type in VERIFIED else ("vision inputs", VERIFIED)
         return (
-            f"`{IMPLEMENTATION}`: {type(module).__name__} was given {media}: {model_type} its vision "
-            "inputs are not verified under CP; "
-            f"images and videos are split across CP ranks for {', '.join(VERIFIED)}"
+            f"`{IMPLEMENTATION}`: {type(module).__name__} was given {media}: {model_type} its {kind} "
+            f"are not verified under CP; they are split across CP ranks for {', '.join(verified)}"
         )
     if argument("input_ids") is None:
         return (

@@ -25,9 +25,9 @@ from torch_impl.hf.documents import OneRankDocuments, Packed, isolates_documents
 from torch_impl.hf.heads import apply_head, check_head
 from torch_impl.hf.indexed import AbsorbedMLA, BlockedIndexer, QSAIndexer
 from torch_impl.hf.inkling import RelativeTable, TokenConvHalo, is_relative, is_token_conv
-from torch_impl.hf.ple import PLEHalo, is_ple
 from torch_impl.hf.inputs import MaskCountPositions, ModelInputs, PaddingIndexPositions, Positions
 from torch_impl.hf.mlstm import check_mlstm, is_mlstm
+from torch_impl.hf.ple import PLEHalo, is_ple
 from torch_impl.hf.recurrent import CONV, KERNELS, apply_recurrent, is_known, is_lightning, is_short_conv
 from torch_impl.layout import check as check_layout
 
