@@ -91,6 +91,7 @@ bench-other: $(STAMP)
 	$(PY) -m benchmarks.dsa_bytes --coverage --json $(RESULTS)/dsa_coverage.json
 	$(PY) -m benchmarks.inputs_check --json $(RESULTS)/inputs_check.json
 	$(PY) -m benchmarks.media_cost --json $(RESULTS)/media_cost.json
+	$(PY) -m benchmarks.media_memory --json $(RESULTS)/media_memory.json
 	$(REPORT)
 
 bench-report: $(STAMP)

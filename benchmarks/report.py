@@ -446,6 +446,24 @@ def media_cost(data):
     return f"{chr(10).join(lines)}\n\n{provenance(data)}"
 
 
+def media_memory(data):
+    a, rows = data["args"], data["rows"]
+    alone = next(r for r in rows if r["variant"] == "alone")
+    lines = [
+        f"Gemma 3 with images of 64 tokens every {a['len'] // 8} tokens, one across each shard edge; "
+        f"L = {a['len']} tokens a rank, {a['n']} gloo ranks, one thread each:",
+        "",
+        "| variant | rank | peak MiB | x alone | step ms | x alone |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['variant']} | {r['rank']} | {r['peak_mib']:.0f} | {r['peak_mib'] / alone['peak_mib']:.2f} "
+            f"| {r['ms']:.0f} | {r['ms'] / alone['ms']:.2f} |"
+        )
+    return f"{chr(10).join(lines)}\n\n{provenance(data)}"
+
+
 def dsa_coverage(data):
     lines = [
         "| S | n | index_topk | share of the earlier tokens selected: least | median |",
@@ -520,6 +538,7 @@ BLOCKS = {
     "dsa_bytes": (["dsa_bytes"], dsa_bytes),
     "dsa_coverage": (["dsa_coverage"], dsa_coverage),
     "media_cost": (["media_cost"], media_cost),
+    "media_memory": (["media_memory"], media_memory),
 }
 
 # which make target writes each results file
@@ -544,6 +563,7 @@ TARGETS = {
             "dsa_bytes",
             "dsa_coverage",
             "media_cost",
+            "media_memory",
         )
     },
 }

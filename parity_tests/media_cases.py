@@ -91,7 +91,7 @@ def media_batch(config, video=False, seed=3, count=4):
         for first, tokens in segments:
             ids[row, first : first + tokens] = image if kind == 1 else video_id
             types[row, first : first + tokens] = kind
-            if qwen and None not in marks:  # (a family whose config names no such marks: none)
+            if qwen and None not in marks:  # vision start and end marks, where the config has them
                 ids[row, first - 1], ids[row, first + tokens] = marks
     labels = ids.masked_fill(mask == 0, -100)
     batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}

@@ -235,7 +235,8 @@ def _section(rows, level, media=False):
         why = "" if row["verdict"] == "exact" else row["why"].replace("|", "\\|")
         line = f"| `{row['model_type']}` | `{row['class']}` | {row['layers']} | {row['verdict']} | {why} |"
         if media:
-            line += f" {row['media']} ({row['media_why']}) |" if "media" in row else " |"
+            media_why = " ".join(row.get("media_why", "").split())[:200].replace("|", "\\|")
+            line += f" {row['media']} ({media_why}) |" if "media" in row else " |"
         lines.append(line)
     return [*lines, ""]
 

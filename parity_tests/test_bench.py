@@ -163,3 +163,13 @@ def test_media_cost_quick_mode_counts_each_ranks_share(tmp_path):
     for r in rows:  # 56 x 56 pixels: 4 x 4 patches, 2 x 2 merged, 4 rows an image
         assert r["feature_rows"] == 16 and r["received_rows"] == 16 - 4 * r["images"]
         assert r["time_ratio"] > 0
+
+
+def test_media_memory_quick_mode_measures_each_rank(tmp_path):
+    """The peak-memory benchmark with images across ranks, quick (512 tokens a rank, one step):
+    the rank alone and both CP ranks measured (no memory or timing assertions)."""
+    json_path = tmp_path / "media_memory.json"
+    bench("media_memory", "--quick", "--json", json_path)
+    rows = json.loads(json_path.read_text())["rows"]
+    assert [(r["variant"], r["rank"]) for r in rows] == [("alone", 0), ("torch_impl", 0), ("torch_impl", 1)]
+    assert all(r["peak_mib"] > 0 and r["ms"] > 0 for r in rows), rows

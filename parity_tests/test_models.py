@@ -150,6 +150,17 @@ def test_state_space_families_on_four_ranks_with_checkpointing(pool, family):
                 assert result["verdict"] == "exact", (family, case, result)
 
 
+@pytest.mark.parametrize("case", ["padded", "padded, head_tail"])
+def test_qwen4_ple_recomputed_without_the_forwards_context(pool, case):
+    """Qwen4's per-layer embeddings under transformers' own activation checkpointing (no
+    hf.checkpoint_kwargs(): the recomputation runs outside the forward's context) on padded rows:
+    the padding the recomputed layer masks is its own argument's, so exact."""
+    for result in pool.run(
+        ("first", 2), zoo_cases.compare, "qwen4_exp_text", case, True, "plain", timeout=120
+    )[0]:
+        assert result["verdict"] == "exact", (case, result)
+
+
 @pytest.mark.parametrize("family", ["deepseek_v4", "inkling2_text"])
 def test_query_blocks(pool, family):
     """DeepSeek V4's compressed layers and Inkling2's relative-logit ones 5 queries at a time

@@ -134,7 +134,8 @@ def compare(group, model_type, case, cp=True, checkpointing=False, task="causal_
     model or one process cannot run the batch (the reason). cp False: the same without
     `parallelize` (each rank runs the model on its own shard alone), which must come out wrong.
     checkpointing: both models in train mode with activation checkpointing (the CP one with
-    hf.checkpoint_kwargs(), one process with transformers' default). task: zoo.TASKS' (the class
+    hf.checkpoint_kwargs(), or with transformers' default where "plain"; one process with
+    transformers' default). task: zoo.TASKS' (the class
     built; "image_text" takes its cases from zoo.IMAGE_TEXT_CASES).
     """
     default = torch.get_default_dtype()
@@ -204,8 +205,9 @@ def _compare(group, model_type, case, cp, checkpointing, task):
             hf.parallelize(model, group, layout=layout, verbose=False)
     except ValueError as e:
         return {"verdict": "refused", "why": str(e).splitlines()[0]}
-    if checkpointing:
-        for each, kwargs in ((one_process, {"use_reentrant": False}), (model, hf.checkpoint_kwargs())):
+    if checkpointing:  # "plain": the CP model too with transformers' default (no hf.checkpoint_kwargs())
+        ours = {"use_reentrant": False} if checkpointing == "plain" else hf.checkpoint_kwargs()
+        for each, kwargs in ((one_process, {"use_reentrant": False}), (model, ours)):
             each.train()
             each.activation_checkpointing_enable(activation_checkpointing_kwargs=float64_recompute(kwargs))
     try:  # packed rows in a model with recurrences: CP runs each document's state from zero

@@ -10,7 +10,7 @@ returns to each encoding rank the gradients of every rank's tokens, so the visio
 projector get exactly one process's gradients once summed over the ranks. (Encoding what a
 rank's shard holds instead would encode an image that straddles shards on each of its ranks.)
 
-mRoPE's 3-D positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) are the model's own
+mRoPE's 3-D positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, Qwen4, Cosmos 3 Omni) are the model's own
 `compute_3d_position_ids` over the whole rows (token ids, types and padding gathered once), then
 this rank's rows of them.
 """

@@ -9,10 +9,10 @@ otherwise from nothing (EOS ids, zero inputs), which under CP would cut them at 
 `PLEHalo` runs the layer's own forward per local chunk over the chunk and the R = (K - 1) * dilation
 rows before it (their hidden states from their owners, gather_halo: gradients return to them), and
 hands the forward, through a cache stand-in, the ids before its first row (gather_halo of the ids,
-R + ngram_size - 1 back; EOS before row 0, before the row's document, at padding). The rows before
-the chunk are recomputed for the conv's inputs and their outputs dropped. Padding is the forward's
-global one (Context.padding), as the model masks it; packed documents: per piece of a document,
-nothing before its start (as each document alone).
+which the model set to EOS at padding, R + ngram_size - 1 back, with the padding mask; EOS before
+row 0 and before the row's document). The rows before the chunk are recomputed for the conv's
+inputs and their outputs dropped, masked at padding as the model masks them. Packed documents: per
+piece of a document, nothing before its start (as each document alone).
 """
 
 import inspect
@@ -21,7 +21,7 @@ import torch
 
 from torch_impl import _group
 from torch_impl.halo import gather_halo
-from torch_impl.hf._common import RUNNING, by_document, check_stateless
+from torch_impl.hf._common import by_document, check_stateless
 from torch_impl.layout import ShardPlan
 
 PLE_ARGUMENTS = ["hidden_states", "input_ids", "past_key_values", "conv_mask"]
@@ -65,22 +65,25 @@ class PLEHalo:
         check_stateless((), past_key_values)  # a cache would hold the shard's own history
         group, layout, L = self.cp_packed.group, self.cp_layout, hidden_states.shape[1]
         reach, back = self.short_conv_state_len, self.ple_embedding.context_len
-        first, padding = self.cp_packed.first_rows(), getattr(RUNNING.context, "padding", None)
+        first = self.cp_packed.first_rows()
         states = gather_halo(hidden_states, group, reach, layout=layout)  # [B, T, hc * hidden]
-        ids = gather_halo(input_ids, group, reach + back, layout=layout)  # [B, T'], masked by the owners
+        # the ids (the model set them to EOS at padding) and the padding mask (None on a rank without
+        # padding: ones, as multiplying by them changes nothing), in one exchange
+        mask = torch.ones_like(input_ids) if conv_mask is None else conv_mask.to(input_ids.dtype)
+        both = gather_halo(torch.stack([input_ids, mask], dim=-1), group, reach + back, layout=layout)
         shard = ShardPlan.of(layout, _group.world_size(group), _group.rank(group), L)
         outs = []
         for w, v in zip(shard.windows(reach), shard.windows(reach + back), strict=True):
-            chunk_states, chunk_ids = states[:, w.segment], ids[:, v.segment]
+            chunk_states, chunk = states[:, w.segment], both[:, v.segment]  # [B, T, C], [B, T', 2]
 
-            def run(b, begin, stop, w=w, v=v, chunk_states=chunk_states, chunk_ids=chunk_ids):
+            def run(b, begin, stop, w=w, v=v, chunk_states=chunk_states, chunk=chunk):
                 rows = torch.arange(begin - back, stop, device=input_ids.device)  # [back + stop - begin]
-                ids_ = chunk_ids[b][:, (rows - v.first_key).clamp_min(0)]  # [b, back + stop - begin]
+                ids_ = chunk[b][:, (rows - v.first_key).clamp_min(0), 0]  # [b, back + stop - begin]
                 start = rows.new_zeros(()) if first is None else first[b, begin][:, None]  # [b, 1] or []
                 ids_ = ids_.masked_fill(rows < start, self.ple_embedding.eos_token_id)
-                mask = None if padding is None else padding[b, begin:stop]
+                mask_ = chunk[b, begin - v.first_key : stop - v.first_key, 1]  # [b, stop - begin]
                 x = chunk_states[b, begin - w.first_key : stop - w.first_key]
-                return super(PLEHalo, self).forward(x, ids_[:, back:], History(ids_[:, :back]), mask)
+                return super(PLEHalo, self).forward(x, ids_[:, back:], History(ids_[:, :back]), mask_)
 
             outs.append(by_document(run, first, w, reach))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [B, L, hc * hidden]
