@@ -7,7 +7,7 @@ Cases: `trainer`, the Trainer recipe's setup (examples/recipes/trainer.py: padde
 gradient accumulation 2) on rows of seq-len/2 to seq-len tokens; `sft`, the SFTTrainer recipe's
 (packed prompt-completion pairs, the loss on completions) packed to seq-len; `fsdp2_lora`, the
 Trainer case with PEFT LoRA (r 16 on the attention's projections) under FSDP2 (accelerate's, over
-every process; forced on CPU as the tests force it: parity_tests.trainer_jobs.FSDP2OnCPU). The
+every process; forced on CPU as the tests force it: cp_support.trainers.FSDP2OnCPU). The
 model: Gemma 3 at hidden 256 (4 heads of 64, one KV head), 6 layers in its 5:1 sliding (window 512)
 / global layout, float32. Each run is one torchrun launch, the two variants alternating per case
 (drift on this noisy machine hits both); every rank uses one thread (OMP_NUM_THREADS=1), so the
@@ -82,7 +82,7 @@ def child(args):
             if args.case == "fsdp2_lora":
                 import peft
 
-                from parity_tests.trainer_jobs import FSDP2, LORA_TARGETS, FSDP2OnCPU
+                from cp_support.trainers import FSDP2, LORA_TARGETS, FSDP2OnCPU
 
                 classes = tuple(type("FSDP2" + c.__name__, (FSDP2OnCPU, c), {}) for c in classes)
                 lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS, lora_dropout=0.0)

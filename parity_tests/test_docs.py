@@ -158,3 +158,19 @@ def test_no_measured_figure_outside_a_generated_block(doc):
     text = re.sub(r"```.*?```", "", GENERATED.sub("", doc.read_text()), flags=re.S)
     typed = [m for m in FIGURE.findall(text) if (doc.name, m) not in NOT_MEASURED]
     assert not typed, f"{doc.name}: figures typed by hand (generate them: benchmarks/report.py): {typed}"
+
+
+def test_the_design_names_every_module():
+    """docs/design.md's layout of the repository names every module of the package, the reference,
+    the shared support, the examples and the benchmarks (`name.py`, or `name` in a list of a
+    folder's modules); a package's `__init__` and `__main__` by its folder."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    missing = [
+        path.relative_to(ROOT).as_posix()
+        for folder in ("torch_impl", "jax_reference", "cp_support", "examples", "benchmarks")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if path.stem not in ("__init__", "__main__")
+        and f"`{path.name}`" not in text
+        and f"`{path.stem}`" not in text
+    ]
+    assert not missing, f"docs/design.md does not name: {missing}"

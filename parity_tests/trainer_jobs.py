@@ -28,6 +28,7 @@ from trl import (
     SFTTrainer,
 )
 
+from cp_support.trainers import FSDP2, LORA_TARGETS, FSDP2OnCPU
 from examples.recipes import dpo, grpo, sft, trainer, trainer_data, vlm
 from parity_tests import hf_models
 from parity_tests.hf_reference import float64_steps
@@ -317,37 +318,6 @@ class Rows:
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
-class FSDP2OnCPU:
-    """Tests only: accelerate selects FSDP for accelerator devices alone (its `AcceleratorState`),
-    so on CPU `TrainingArguments(fsdp=...)` silently runs DDP. After the trainer made its
-    accelerator, this sets accelerate's state to FSDP2 with the arguments' plugin, as a GPU run
-    has it; FSDP2 itself runs on gloo. Set again when the trainer's `__init__` ends: GRPO's seeding
-    (`set_seed(device_specific=True)`) makes an AcceleratorState, which copies the process state's
-    MULTI_CPU over it."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._as_fsdp2()
-
-    def create_accelerator_and_postprocess(self):
-        super().create_accelerator_and_postprocess()
-        self._as_fsdp2()
-
-    def _as_fsdp2(self):
-        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-        state = self.accelerator.state
-        if state.distributed_type != DistributedType.FSDP:
-            state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
-            state.distributed_type = DistributedType.FSDP
-        self.is_fsdp_enabled = True
-
-
-# checkpoints as FSDP2 shards (pytorch_model_fsdp_0/): saving the whole model (FULL_STATE_DICT)
-# fails on gloo here, with or without CP, in transformers' save_pretrained of the gathered state
-FSDP2 = {"fsdp": True, "fsdp_config": {"fsdp_version": 2, "state_dict_type": "SHARDED_STATE_DICT"}}
-
-
 def classes(kind, fsdp=False):
     """(the plain trainer class, its CP version), both recording their rows (under FSDP2)."""
     base = {
@@ -389,9 +359,6 @@ def lora_config(kind):
 
     task = {"task_type": "SEQ_CLS"} if kind == "reward" else {}  # the score head trains too
     return peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, lora_dropout=0.0, **task)
-
-
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
 def build(kind, name, layout, extra, cp_size, output_dir, **overrides):
