@@ -1,0 +1,282 @@
+"""Which kind of token-mixing layer each module of a model is, or why CP cannot make it exact:
+`walk` goes over the model once before anything changes (its attention modules with their setups,
+short convs, token-dependent convs and PLE layers, recurrences; each module's kind from `_kind`) and
+`_check_configs` refuses what the configs say that the walk cannot see. torch_impl.hf.parallelize
+then makes each kind CP."""
+
+import inspect
+import re
+import sys
+
+from torch import nn
+from transformers import PreTrainedConfig
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from torch_impl.hf._common import INDEXED, LINEAR, SLIDING
+from torch_impl.hf.attention import AttentionSetup, temperature_scale
+from torch_impl.hf.block_sparse import BLOCK_SPARSE, is_block_sparse
+from torch_impl.hf.compressed import COMPRESSED, is_compressor
+from torch_impl.hf.inkling import is_relative, is_token_conv
+from torch_impl.hf.mlstm import check_mlstm, is_mlstm
+from torch_impl.hf.ple import is_ple
+from torch_impl.hf.recurrent import CONV, KERNELS, is_known, is_short_conv
+
+SUPPORTED_LAYER_TYPES = (
+    "full_attention",
+    "sliding_attention",
+    "chunked_attention",
+    "conv",
+    INDEXED,
+    LINEAR,  # Gated DeltaNet, KDA, Mamba2, Mamba, MiniMax's lightning (torch_impl.hf.recurrent)
+    "mlp",  # Nemotron-H's layers without a token mixer
+    "moe",
+    *COMPRESSED,  # DeepSeek V4's CSA and HCA (torch_impl.hf.compressed)
+    BLOCK_SPARSE,  # MiniMax-M3's (torch_impl.hf.block_sparse)
+)
+# a layer of both attention and a recurrence (Falcon-H1's parallel ones, Zamba2's shared attention
+# blocks beside its Mamba2): allowed where the walk recognised the recurrences
+HYBRID = "hybrid"
+# causal depthwise convs: of in_proj's gated output (LFM2's), of a layer's or its keys' and values'
+# inputs (Inkling's)
+SHORT_CONVS = (
+    "Lfm2ShortConv",
+    "Lfm2MoeShortConv",
+    "Lfm3ShortConv",
+    "InklingShortConvolution",
+    "Inkling2ShortConvolution",
+)
+# Inkling's layer types: full and sliding attention with relative logits (torch_impl.hf.inkling)
+RELATIVE_LAYER_TYPES = ("hybrid", "hybrid_sliding")
+RECURRENT = re.compile(
+    r"Mamba|Mixer|GatedDeltaNet|DeltaAttention|LinearAttention|Rwkv|RWKV|Recurrent|Retention|xLSTM|Ssm|SSM"
+)
+# attention modules whose own code does what CP cannot split, by class: why
+REFUSED_ATTENTION = {
+    "DogeAttention": "computes its mask itself, a top-k over every key of the 4-D attention mask",
+}
+RECURRENT_LAYER_TYPES = ("mamba", "mamba2", "recurrent")
+RECURRENCE = "carries recurrent state along the sequence, which CP cannot split exactly"
+TOWERS = re.compile(r"vision|audio|image|video|speech|visual|vq")  # sub-configs of non-text encoders
+
+
+def _unsupported(layer_types):
+    """Why layers of these types are refused: the recurrence named where they are one."""
+    if any(t in RECURRENT_LAYER_TYPES for t in layer_types):
+        return f"{RECURRENCE} ({layer_types} layers)"
+    return f"has {layer_types} layers, a kind the adapter does not know (supported: {SUPPORTED_LAYER_TYPES})"
+
+
+def refuse(name, module, why):
+    return ValueError(f"torch_impl.hf.parallelize: {name or 'the model'} ({type(module).__name__}) {why}")
+
+
+def _check_configs(model, towers, allowed=()):
+    """Model-wide refusals, from the model's config and its sub-models' but its non-text encoders'
+    (a catch-all after the walk; `allowed`: the layer types of the modules it recognised beyond
+    SUPPORTED_LAYER_TYPES)."""
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if not isinstance(config, PreTrainedConfig) or id(config) in towers:
+            continue
+        if getattr(config, "is_encoder_decoder", False):
+            raise refuse(name, module, "is an encoder-decoder model: cross attention is not supported")
+        if getattr(config, "attention_chunk_size", None) and getattr(config, "sliding_window", None):
+            raise refuse(
+                name,
+                module,
+                "has both chunked and sliding-window attention, which its masks cannot tell apart",
+            )
+        layer_types = set(getattr(config, "layer_types", None) or ())
+        unsupported = sorted(layer_types - set(SUPPORTED_LAYER_TYPES) - set(allowed))
+        if unsupported:
+            raise refuse(name, module, _unsupported(unsupported))
+        if INDEXED in layer_types and not layer_types <= {INDEXED, LINEAR, SLIDING}:  # Qwen4's, dots3's
+            others = sorted(layer_types - {INDEXED, LINEAR, SLIDING})
+            raise refuse(name, module, f"mixes {INDEXED!r} layers with {others}")
+
+
+def layer_type(module):
+    """The config's type for a module that knows its layer index (e.g. 'sliding_attention'), else None."""
+    types, index = (
+        getattr(getattr(module, "config", None), "layer_types", None),
+        getattr(module, "layer_idx", None),
+    )
+    return types[index] if types and isinstance(index, int) and 0 <= index < len(types) else None
+
+
+def _kind(name, module, family=""):
+    """'attention', 'short_conv', 'token_conv' (Inkling2's, Qwen4's PLE), 'recurrent', or None for a
+    module that mixes no tokens itself; ValueError for a module that mixes them in a way CP cannot
+    reproduce exactly. `family`: a class-name prefix that names no recurrence (RecurrentGemma's,
+    whose MLP, norm and rotary embedding are RecurrentGemma*)."""
+    typed = layer_type(module)
+    known = (*SUPPORTED_LAYER_TYPES, HYBRID, *(RELATIVE_LAYER_TYPES if is_relative(module) else ()))
+    if typed is not None and typed not in known:
+        raise refuse(name, module, _unsupported([typed]))
+    if type(module).__name__ in REFUSED_ATTENTION:
+        raise refuse(name, module, REFUSED_ATTENTION[type(module).__name__])
+    if hasattr(module, "is_causal") and hasattr(module, "config"):  # transformers' attention modules
+        if not module.is_causal or getattr(module, "is_cross_attention", False):
+            raise refuse(
+                name, module, "is bidirectional or cross attention; only causal attention is supported"
+            )
+        return "attention"
+    if type(module).__name__ in SHORT_CONVS:
+        if not is_short_conv(module):
+            raise refuse(name, module, f"does not call `{CONV}` over its own depthwise `conv`")
+        return "short_conv"
+    if is_token_conv(module) or is_ple(module):
+        return "token_conv"
+    if is_mlstm(module) and check_mlstm(module):
+        raise refuse(name, module, check_mlstm(module))
+    if is_known(module):
+        return "recurrent"
+    name_ = type(module).__name__
+    if (
+        RECURRENT.search(name_.removeprefix(family))
+        and not name_.endswith("Norm")
+        and not any(map(is_known, module.modules()))
+    ):
+        raise refuse(name, module, RECURRENCE)  # (a layer holding a linear attention it knows is not)
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)):
+        raise refuse(name, module, "is a convolution over the sequence that the adapter does not know")
+    return None
+
+
+def is_qsa(module):
+    """Qwen4's QSA layer: no MLA, an indexer that pools the keys a query sees into blocks of
+    `compress_ratio` and keeps the `token_budget // compress_ratio` best blocks and the incomplete
+    last one, with the forward QSAIndexer calls."""
+    indexer = getattr(module, "indexer", None)
+    if callable(getattr(module, "expand_kv", None)) or indexer is None:
+        return False
+    names = list(inspect.signature(indexer.forward).parameters)
+    wanted = ["hidden_states", "position_embeddings", "attention_mask", "past_key_values"]
+    return names == wanted and hasattr(indexer, "compress_ratio") and hasattr(indexer, "token_budget")
+
+
+def _check_indexed(name, module):
+    """An indexed_attention layer is DeepSeek V3.2's / GLM-5's: MLA latents expanded by `expand_kv`
+    through a `kv_b_proj` without bias (absorbed exactly), an indexer (or, GLM-5's shared layers,
+    the previous layer's indices) with the forward the adapter calls, no attention dropout; or
+    Qwen4's QSA (`is_qsa`)."""
+    if is_qsa(module):
+        return
+    if not callable(getattr(module, "expand_kv", None)) or not hasattr(module, "indexer"):
+        raise refuse(
+            name, module, f"is an {INDEXED!r} layer without MLA's expand_kv and an indexer, nor Qwen4's QSA"
+        )
+    projection = getattr(module, "kv_b_proj", None)
+    nope_dim = getattr(module, "qk_nope_head_dim", None)
+    if not isinstance(projection, nn.Linear) or projection.bias is not None or nope_dim is None:
+        raise refuse(
+            name,
+            module,
+            f"is an {INDEXED!r} layer whose latents are not expanded by a `kv_b_proj` Linear without bias "
+            "(with `qk_nope_head_dim`): the absorbed attention could not reproduce it",
+        )
+    if module.indexer is not None:
+        names = list(inspect.signature(module.indexer.forward).parameters)[:6]
+        expected = ["hidden_states", "q_resid", "position_embeddings", "attention_mask", "position_ids"]
+        if names[:5] != expected or "past_key_values" not in names:
+            raise refuse(name, module, f"has an indexer whose forward takes {names}, not {expected}")
+    if getattr(module.config, "attention_dropout", 0.0) > 0:
+        raise refuse(name, module, f"is an {INDEXED!r} layer with attention dropout, which is not supported")
+
+
+def _attention_setup(name, module, group, layout, dense=False):
+    if layer_type(module) == INDEXED:
+        _check_indexed(name, module)
+    if layer_type(module) in COMPRESSED and not is_compressor(getattr(module, "compressor", None)):
+        raise refuse(
+            name,
+            module,
+            f"is a {layer_type(module)!r} layer without DeepSeek V4's compressor (its forward and "
+            "cache calls)",
+        )
+    if layer_type(module) == BLOCK_SPARSE:
+        if not is_block_sparse(module):
+            raise refuse(name, module, f"is a {BLOCK_SPARSE!r} layer without MiniMax-M3's indexer")
+        if module.indexer.local_blocks > module.indexer.topk_blocks:  # ties among its kept blocks
+            raise refuse(
+                name,
+                module,
+                "keeps more local blocks than its top-k: they tie (+inf), and top-k's choice among them "
+                "depends on how many keys it scores",
+            )
+    implementation = module.config._attn_implementation
+    if implementation == "sdpa":
+        attend = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    elif implementation == "eager":
+        attend = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if attend is None:
+            raise refuse(name, module, "uses eager attention but its module has no eager_attention_forward")
+    else:
+        raise refuse(
+            name,
+            module,
+            f"uses attention {implementation!r}; only 'sdpa' and 'eager' take the global query and key "
+            "offsets of a CP rank (flash kernels align causal masks bottom-right)",
+        )
+    reason = "parallelize(dense=True)" if dense and layer_type(module) != INDEXED else None
+    make_mask = ALL_MASK_ATTENTION_FUNCTIONS[implementation]
+    return AttentionSetup(group, attend, make_mask, reason, layout, temperature_scale(module))
+
+
+def _towers(model):
+    """The ids of the configs of the model's non-text encoders (vision, audio, ...): their modules
+    are left alone, and `ModelInputs` refuses the inputs that would reach them."""
+    found, configs = set(), [model.config]
+    while configs:
+        config = configs.pop()
+        for key in getattr(config, "sub_configs", None) or {}:
+            sub = getattr(config, key, None)
+            if isinstance(sub, PreTrainedConfig) and TOWERS.search(key):
+                found.add(id(sub))
+            elif isinstance(sub, PreTrainedConfig):
+                configs.append(sub)
+    return found
+
+
+def walk(model, decoder, group, layout, dense=False):
+    """(attention modules with their setups, short convs, token-dependent convs, linear-attention
+    modules): every token-mixing module, or ValueError."""
+    if not type(model)._can_set_attn_implementation():
+        raise refuse("", model, "does not route its attention through transformers' AttentionInterface")
+    attentions, skipped, towers = [], [], _towers(model)
+    whole = {"short_conv": {}, "recurrent": {}, "token_conv": {}}
+    # a model holding recurrences made CP here: its family's class-name prefix names none
+    family = (
+        re.sub(r"(For[A-Z]\w*|Model)$", "", type(model).__name__)
+        if any(map(is_known, model.modules()))
+        else ""
+    )
+    for name, module in model.named_modules():
+        handled = [*whole["short_conv"], *whole["recurrent"], *whole["token_conv"], *skipped]
+        if any(name.startswith(f"{outer}.") for outer in handled):
+            continue  # inside a short conv or linear attention, handled whole, or a non-text encoder
+        if id(getattr(module, "config", None)) in towers:
+            skipped.append(name)
+            continue
+        kind = _kind(name, module, family)
+        if kind == "attention" and module.config is not decoder.config:  # the one parallelize switches
+            raise refuse(name, module, "reads an attention config other than its language model's")
+        if kind == "attention":
+            attentions.append((module, _attention_setup(name, module, group, layout, dense)))
+        elif kind is not None:
+            whole[kind][name] = module
+    relative = any(is_relative(module) for module, _ in attentions)
+    allowed = ((HYBRID,) if whole["recurrent"] else ()) + (RELATIVE_LAYER_TYPES if relative else ())
+    _check_configs(model, towers, allowed)
+    linear = list(getattr(decoder.config, "layer_types", None) or ()).count("linear_attention")
+    if linear > len(whole["recurrent"]):  # a linear attention the walk did not recognise
+        raise refuse(
+            "",
+            model,
+            f"{RECURRENCE}: {linear} 'linear_attention' layers, of which {len(whole['recurrent'])} are "
+            f"Gated DeltaNet, KDA, Mamba2 or Mamba modules calling the kernels {sorted(KERNELS)} or "
+            "MiniMax's lightning attention",
+        )
+    convs = [*whole["short_conv"].values()], [*whole["token_conv"].values()]
+    return attentions, *convs, list(whole["recurrent"].values())
