@@ -127,10 +127,10 @@ def mamba_one_process(inputs, cotangent, documents=None):
 
 
 def mamba_state(group, inputs, cotangent, layout, documents=None):
-    """The scan made CP (torch_impl.hf.recurrent.MambaScan) on this rank's rows (in packed rows'
+    """The scan made CP (torch_impl.hf.scans.MambaScan) on this rank's rows (in packed rows'
     context where documents are given): its output [B, L, H, P] and the gradients of this rank's
     token inputs and its partial ones of A and D."""
-    from torch_impl.hf.recurrent import MambaScan
+    from torch_impl.hf.scans import MambaScan
 
     n, r, L = group.size(), group.rank(), inputs["dt"].shape[1] // group.size()
     rows = ShardPlan.of(layout, n, r, L).rows()  # [L]
@@ -165,11 +165,11 @@ def selective_one_process(inputs, cotangent, softplus):
 
 
 def selective_state(group, inputs, cotangent, layout, softplus):
-    """The scan made CP (torch_impl.hf.recurrent.SelectiveScan) on this rank's tokens: its output
+    """The scan made CP (torch_impl.hf.scans.SelectiveScan) on this rank's tokens: its output
     [B, D, L] and the gradients of this rank's token inputs and its partial ones of the layer's."""
     from transformers.models.mamba.modeling_mamba import mamba_selective_scan
 
-    from torch_impl.hf.recurrent import SelectiveScan
+    from torch_impl.hf.scans import SelectiveScan
 
     n, r = group.size(), group.rank()
     rows = ShardPlan.of(layout, n, r, inputs["u"].shape[-1] // n).rows()  # [L]

@@ -348,7 +348,7 @@ def test_a_chunk_is_cut_where_its_documents_begin():
     takes the earlier chunks' state for rows 8..11 of the first row only, and runs that row in
     two pieces; a chunk that begins with a document takes no state; a chunk without a start in
     any row runs whole (None)."""
-    from torch_impl.hf.recurrent import pieces
+    from torch_impl.hf.documents import pieces
     from torch_impl.layout import document_starts
 
     ids = torch.tensor([[0] * 5 + [1] * 7 + [2] * 8, [0] * 20])

@@ -15,6 +15,8 @@ against one process, so a wrong entry shows there as a wrong family.
 from functools import partial
 
 import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
 
 from torch_impl.hf._common import RUNNING, Arguments, Aside, Context, stepping_aside
 from torch_impl.layout import Documents, ShardPlan, document_starts, packed_ids
@@ -154,3 +156,54 @@ class Packed:
         ):  # compiled, the recomputation is traced
             self.seen = True
         return None if documents is None else document_starts(documents.ids)
+
+
+# --- a recurrent layer's chunk in pieces, each document from zero ---------------------------------
+
+
+def pieces(first, start, stop):
+    """For the global rows [start, stop) of each batch row: bool [B, T] whether a token's document
+    began before `start` (the state coming in reaches it), and per row the pieces [lo, hi) (local
+    to the rows) that run from zero, cut where a document begins; None where no document begins
+    in them (one piece per row, every token reached). `first`: Packed.first_rows(), or None."""
+    if first is None:
+        return None
+    first = first[:, start:stop]  # [B, T]
+    carried = first < max(start, 1)  # the sequence's first chunk: its first document takes the zero state
+    begins = first == torch.arange(start, stop, device=first.device)  # [B, T]
+    begins[:, 0] = True
+    if carried.all():
+        return None
+    cuts = [[t for t, b in enumerate(row) if b] + [stop - start] for row in begins.tolist()]
+    return carried, [list(zip(row[:-1], row[1:], strict=True)) for row in cuts]
+
+
+def by_piece(run, runs, dim):
+    """Each row's pieces run alone from zero (`run(b, lo, hi, first)` -> (outputs [1, ...],
+    final state [1, ...]); `first`: the row's first piece), the outputs concatenated along `dim`
+    and the last piece's final state, stacked over the rows."""
+    outs, finals = [], []
+    for b, row in enumerate(runs):
+        parts = [run(b, lo, hi, i == 0) for i, (lo, hi) in enumerate(row)]
+        outs.append(torch.cat([out for out, _ in parts], dim=dim))
+        finals.append(parts[-1][1])
+    return torch.cat(outs), torch.cat(finals)
+
+
+def conv_by_document(x, weight, bias, w, first, activation=None):
+    """A causal depthwise conv (weight [C, K], bias [C] or None, then `activation`, as transformers'
+    `causal_conv1d_fn`) over one local chunk's segment x [B, C, T] (the window w's halo, then the
+    chunk) whose outputs read nothing before their document's start: each tap masked where it
+    would read an earlier document (no host read, no branch: it compiles as one graph). The
+    chunk's outputs, [B, C, w.end - w.start]."""
+    K, T = weight.shape[-1], w.end - w.first_key
+    x = x[..., -T:]  # [B, C, T]: global rows [first_key, end)
+    dtype = torch.promote_types(weight.dtype, torch.float32)  # summed as F.conv1d accumulates
+    taps = F.pad(x.to(dtype), (K - 1, 0)).unfold(-1, K, 1)  # [B, C, T, K]: tap j reads t - K + 1 + j
+    rows = torch.arange(w.first_key, w.end, device=x.device)  # [T]
+    read = rows[:, None] - (K - 1) + torch.arange(K, device=x.device)  # [T, K]: the global row each tap reads
+    keep = read[None] >= first[:, w.first_key : w.end, None]  # [B, T, K]: within the output's document
+    out = (taps * keep[:, None] * weight.to(dtype)[:, None, :]).sum(dim=-1)  # [B, C, T]
+    out = (out if bias is None else out + bias.to(dtype)[:, None]).to(weight.dtype)
+    out = ACT2FN[activation](out) if activation is not None else out
+    return out[..., -(w.end - w.start) :].to(x.dtype)
