@@ -33,7 +33,7 @@ from examples.recipes import dpo, grpo, sft, trainer, trainer_data, vlm
 from parity_tests import hf_models
 from parity_tests.hf_reference import float64_steps
 from torch_impl import hf
-from torch_impl.hf.inputs import IGNORE_INDEX
+from torch_impl.hf.batch import IGNORE_INDEX
 
 # name: (trainer, model, layout, extra arguments)
 CASES = {

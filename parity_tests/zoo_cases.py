@@ -32,9 +32,9 @@ from torch.overrides import TorchFunctionMode
 
 from parity_tests import bounds, zoo
 from torch_impl import hf
+from torch_impl.hf.batch import TYPE_KEYS
 from torch_impl.hf.compressed import CompressedEntries
 from torch_impl.hf.inkling import RelativeTable
-from torch_impl.hf.inputs import TYPE_KEYS
 from torch_impl.layout import ShardPlan
 
 

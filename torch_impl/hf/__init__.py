@@ -48,8 +48,8 @@ with whole rows, sharded and its outputs gathered; `rl`: GRPO's and RLOO's gener
 """
 
 from torch_impl.hf._common import IMPLEMENTATION
+from torch_impl.hf.batch import shard_batch
 from torch_impl.hf.data_parallel import apply_ddp, apply_fsdp, gradient_divide_factor
-from torch_impl.hf.inputs import shard_batch
 from torch_impl.hf.parallelize import checkpoint_kwargs, parallelize
 from torch_impl.hf.trainer import ContextParallelMixin
 

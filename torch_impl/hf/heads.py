@@ -9,7 +9,7 @@ from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
 from torch_impl import _group
 from torch_impl.hf._common import mix
-from torch_impl.hf.inputs import LAYOUT
+from torch_impl.hf.batch import LAYOUT
 from torch_impl.reductions import last_position, select_position
 
 # a model class named for a head other than a causal LM's (e.g. ForTokenClassification,

@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import torch.nn.functional as F
 
 from torch_impl.hf import media, rl, whole_rows
-from torch_impl.hf.inputs import BATCH_KEYS, IGNORE_INDEX, TYPE_KEYS, shard_batch
+from torch_impl.hf.batch import BATCH_KEYS, IGNORE_INDEX, TYPE_KEYS, shard_batch
 from torch_impl.hf.parallelize import checkpoint_kwargs, parallelize
 from torch_impl.layout import check as check_layout
 

@@ -29,7 +29,7 @@ Bytes: each output gathered is B x S x itemsize a rank receives per forward (a 1
 
 import contextlib
 
-from torch_impl.hf.inputs import LAYOUT
+from torch_impl.hf.batch import LAYOUT
 from torch_impl.metadata import gather_metadata
 from torch_impl.sequence import gather_sequence
 
