@@ -382,3 +382,36 @@ def test_unsharded_calls_run_as_one_process(pool, name, layout):
             assert tokens["plain", True] == tokens["plain", False]  # the cache changes nothing
             assert calls == 0
             assert sharded <= 1e-12 * largest, (sharded, largest)  # float64, summed in another order
+
+
+def test_the_forward_context_is_built_on_its_own():
+    """ModelInputs' context and refusal, called directly on one rank (no process group): packed
+    rows give their documents and keep their positions; padded rows their mask by global row and
+    the global positions; a shard of another layout is refused, naming both."""
+    from functools import partial
+
+    from torch_impl.hf._common import Arguments
+    from torch_impl.hf.inputs import ModelInputs, Positions
+
+    model = hf_models.build("llama")
+    hook = ModelInputs(
+        model.model, owner=0, group=None, layout="contiguous", validate=False, positions=Positions(),
+        isolates=True, kinds=None, make_mask=None, indexed=False, chunk=None,
+    )  # fmt: skip
+    get = Arguments(model.model.forward).get
+
+    packed = hf.shard_batch(hf_models.make_packed_batch(), None)  # (use_cache=False: no cache made)
+    context, positions, changes = hook.context(model.model, partial(get, (), packed))
+    assert torch.equal(positions, packed["position_ids"]) and changes == {}
+    assert context.documents is not None and context.padding is None
+    starts = (packed["position_ids"] == 0).cumsum(dim=1) - 1  # each token's document, numbered per row
+    assert torch.equal(context.documents.ids - context.documents.ids[:, :1], starts)
+
+    padded = hf.shard_batch(hf_models.make_batch(), None)
+    context, positions, _ = hook.context(model.model, partial(get, (), padded))
+    assert context.documents is None and torch.equal(context.padding, padded["attention_mask"].bool())
+    assert torch.equal(positions, torch.arange(padded["input_ids"].shape[1])[None])
+
+    assert hook.refusal(model.model, partial(get, (), padded), "contiguous") is None
+    error = hook.refusal(model.model, partial(get, (), padded), "head_tail")
+    assert "layout='head_tail'" in error and "layout='contiguous'" in error

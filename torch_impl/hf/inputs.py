@@ -143,7 +143,7 @@ class ModelInputs:
     """
 
     def __init__(
-        self, module, owner, group, indexed, validate, layout, positions, chunk, isolates, kinds, make_mask
+        self, module, *, owner, group, layout, validate, positions, isolates, kinds, make_mask, indexed, chunk
     ):
         self.group, self.arguments, self.indexed = group, Arguments(module.forward), indexed
         self.make_mask = make_mask  # the model's own mask function, for unsharded calls (Aside)
@@ -166,11 +166,45 @@ class ModelInputs:
             RUNNING.context = Aside(self.owner, self.make_mask)
             return None
         argument = partial(self.arguments.get, args, kwargs)
+        error = self.refusal(module, argument, given)
+        if error:
+            raise ValueError(error)
+        context, positions, changes = self.context(module, argument)
+        self.outer.append(RUNNING.context)
+        RUNNING.context = context
+        padding = argument("attention_mask")
+        if self.indexed:
+            # the layers beside: linear attention (Qwen4's) masks its own rows' padding, as one
+            # process; sliding layers (dots3's) take the mask this implementation's function makes
+            masks = {INDEXED: IndexedContext(context), LINEAR: padding}
+            if self.kinds is not None and SLIDING in self.kinds:
+                masks[SLIDING] = make_mask(context, padding, self.window, context.documents)
+            return self.arguments.replace(
+                args,
+                kwargs,
+                attention_mask=masks,
+                past_key_values=None,
+                position_ids=positions,
+                use_cache=False,
+                **changes,
+            )
+        if "position_ids" not in self.arguments.names:  # a model without attention (Mamba)
+            return args, kwargs
+        return self.arguments.replace(args, kwargs, position_ids=positions, **changes)
+
+    @staticmethod
+    def tokens(argument):
+        """The forward's input_ids [B, L] or inputs_embeds [B, L, D]."""
         tokens = argument("input_ids")
-        tokens = argument("inputs_embeds") if tokens is None else tokens
-        (B, L), cache, positions = tokens.shape[:2], argument("past_key_values"), argument("position_ids")
-        padding, creates_cache = argument("attention_mask"), _creates_cache(module, argument)
-        error = self.check(module, cache, padding) or self.check_text(module, argument)
+        return argument("inputs_embeds") if tokens is None else tokens
+
+    def refusal(self, module, argument, given):
+        """Why this rank's sharded inputs cannot run (the layout `given` by shard_batch, the
+        refusals of check and check_text), or None; with `validate`, after the ranks compared
+        their inputs, so that every rank raises alike instead of one leaving the others waiting."""
+        tokens, creates_cache = self.tokens(argument), _creates_cache(module, argument)
+        error = self.check(module, argument("past_key_values"), argument("attention_mask"))
+        error = error or self.check_text(module, argument)
         if error is None and given != self.layout:
             error = (
                 f"`{IMPLEMENTATION}`: the batch was sharded with layout={given!r} but the model was "
@@ -188,8 +222,23 @@ class ModelInputs:
                     f"{differ}; every rank must get its shard of the same global batch "
                     "(torch_impl.hf.shard_batch)"
                 )
-        if error:
-            raise ValueError(error)
+        return error
+
+    def context(self, module, argument):
+        """This forward's (Context, position_ids [B or 1, L] or mRoPE's [3, B, L], the other
+        arguments it changes: media), from the inputs and what is gathered of them once: the
+        padding mask, packed rows' positions, the token ids and types where media or the model's
+        positions need them. ValueError for packed rows it cannot tell how to isolate."""
+        tokens, cache, positions = (
+            self.tokens(argument),
+            argument("past_key_values"),
+            argument("position_ids"),
+        )
+        (B, L), padding, creates_cache = (
+            tokens.shape[:2],
+            argument("attention_mask"),
+            _creates_cache(module, argument),
+        )
         gather = partial(gather_metadata, group=self.group, layout=self.layout)
         shard = ShardPlan.of(self.layout, _group.world_size(self.group), _group.rank(self.group), L)
         # bool [B, S]: the attention_mask, gathered here once per forward for every layer (a byte a
@@ -238,26 +287,7 @@ class ModelInputs:
             chunks = chunk_ids(self.chunk, padded, documents, everywhere, B, S, tokens.device)  # [B, S]
         documents, chunks = _documents(documents, chunks, shard.chunk_len)
         context = Context(self.owner, self.group, shard, documents, chunks, padded, self.kinds, images)
-        self.outer.append(RUNNING.context)
-        RUNNING.context = context
-        if self.indexed:
-            # the layers beside: linear attention (Qwen4's) masks its own rows' padding, as one
-            # process; sliding layers (dots3's) take the mask this implementation's function makes
-            masks = {INDEXED: IndexedContext(context), LINEAR: padding}
-            if self.kinds is not None and SLIDING in self.kinds:
-                masks[SLIDING] = make_mask(context, padding, self.window, context.documents)
-            return self.arguments.replace(
-                args,
-                kwargs,
-                attention_mask=masks,
-                past_key_values=None,
-                position_ids=positions,
-                use_cache=False,
-                **changes,
-            )
-        if "position_ids" not in self.arguments.names:  # a model without attention (Mamba)
-            return args, kwargs
-        return self.arguments.replace(args, kwargs, position_ids=positions, **changes)
+        return context, positions, changes
 
     @staticmethod
     def signature(argument, tokens, creates_cache):

@@ -130,7 +130,17 @@ def apply_inputs(model, decoder, hooked, group, validate, layout="contiguous", i
     own_mask = ALL_MASK_ATTENTION_FUNCTIONS.get(decoder.config._attn_implementation)  # before the switch
     for module in hooked:
         hook = ModelInputs(
-            module, id(model), group, indexed, validate, layout, positions, chunk, isolates, kinds, own_mask
+            module,
+            owner=id(model),
+            group=group,
+            layout=layout,
+            validate=validate,
+            positions=positions,
+            isolates=isolates,
+            kinds=kinds,
+            make_mask=own_mask,
+            indexed=indexed,
+            chunk=chunk,
         )
         module.register_forward_pre_hook(hook, with_kwargs=True)
         module.register_forward_hook(hook.done, with_kwargs=True, always_call=True)
