@@ -124,8 +124,8 @@ MUTATIONS = [
     Mutation(  # RecurrentGemma's RG-LRU: the earlier ranks' state not carried in
         "rg_lru_state_not_carried",
         "torch_impl/hf/scans.py",
-        "out = [(h0 + carried * states[:, i, None, :])",
-        "out = [(h0 + 0 * carried * states[:, i, None, :])",
+        "return (h0 + carried * state.reshape(batch, 1, W))",
+        "return (h0 + 0 * carried * state.reshape(batch, 1, W))",
         ("parity_tests/test_models.py", "-k", "recurrent_gemma"),
     ),
     Mutation(  # RecurrentGemma's conv over its own shard only, no halo
@@ -473,17 +473,17 @@ MUTATIONS += [
     ),
     Mutation(  # a linear-attention layer's chunks given each other's states (head and tail swapped)
         "recurrent_state_misrouted",
-        "torch_impl/hf/recurrent.py",
-        'torch.einsum("bthk,bhkv->bthv", o[..., dv:], states[:, i])',
-        'torch.einsum("bthk,bhkv->bthv", o[..., dv:], states[:, -1 - i])',
+        "torch_impl/hf/scans.py",
+        "out = [correct(k, states[:, i]) for i, k in enumerate(kept)]",
+        "out = [correct(k, states[:, -1 - i]) for i, k in enumerate(kept)]",
         ("parity_tests/test_recurrent.py", "-k", "integer and 2-head_tail"),
     ),
     Mutation(  # every linear attention run from a zero state, as each rank alone would
         "recurrent_state_dropped",
-        "torch_impl/hf/recurrent.py",
-        "states = gather_state(maps[..., dv:], maps[..., :dv], self.group, layout=self.layout)",
-        "states = torch.zeros_like(gather_state(maps[..., dv:], maps[..., :dv], self.group, "
-        "layout=self.layout))",
+        "torch_impl/hf/scans.py",
+        "states = gather_state(torch.stack(decays, 1), torch.stack(maps, 1), group, layout=layout)",
+        "states = torch.zeros_like(gather_state(torch.stack(decays, 1), torch.stack(maps, 1), group, "
+        "layout=layout))",
         ("parity_tests/test_hf.py", "-k", "float64 and qwen3_5-2"),
     ),
     Mutation(  # the conv in front of a linear attention without its kernel - 1 earlier inputs
@@ -535,15 +535,15 @@ MUTATIONS += [
     Mutation(  # the layer's transition read transposed
         "recurrent_transition_transposed",
         "torch_impl/hf/recurrent.py",
-        "states = gather_state(maps[..., dv:], maps[..., :dv],",
-        "states = gather_state(maps[..., dv:].transpose(-1, -2), maps[..., :dv],",
+        "return out, final[..., dv:], final[..., :dv]",
+        "return out, final[..., dv:].transpose(-1, -2), final[..., :dv]",
         ("parity_tests/test_recurrent.py", "-k", "random and gdn-4"),
     ),
     Mutation(  # a Mamba2 layer's chunks given each other's states (head and tail swapped)
         "mamba_state_misrouted",
         "torch_impl/hf/scans.py",
-        'torch.einsum("bthn,bhpn->bthp", c, states[:, i])',
-        'torch.einsum("bthn,bhpn->bthp", c, states[:, -1 - i])',
+        "out = [correct(k, states[:, i]) for i, k in enumerate(kept)]",
+        "out = [correct(k, states[:, -1 - i]) for i, k in enumerate(kept)]",
         ("parity_tests/test_recurrent.py", "-k", "mamba2_integer and 2-head_tail"),
     ),
     Mutation(  # a Mamba2 chunk's decay applied one token late to the state it receives
@@ -556,15 +556,15 @@ MUTATIONS += [
     Mutation(  # Mamba: a chunk corrected by the state of the rank's other chunk
         "selective_state_misrouted",
         "torch_impl/hf/scans.py",
-        "carried = decay * states[:, i, :, None, :]",
-        "carried = decay * states[:, -1 - i, :, None, :]",
+        "out = [correct(k, states[:, i]) for i, k in enumerate(kept)]",
+        "out = [correct(k, states[:, -1 - i]) for i, k in enumerate(kept)]",
         ("parity_tests/test_recurrent.py", "-k", "selective_scan_integer and 2-head_tail"),
     ),
     Mutation(  # Mamba: the decay to each token of the state it receives applied one token late
         "selective_decay_one_token_late",
         "torch_impl/hf/scans.py",
-        "outs.append((y0, decay, C[..., rows]))",
-        "outs.append((y0, decay.roll(1, dims=2), C[..., rows]))",
+        "return (y0, decay, C[..., rows]), a,",
+        "return (y0, decay.roll(1, dims=2), C[..., rows]), a,",
         ("parity_tests/test_recurrent.py", "-k", "selective_scan_random and contiguous"),
     ),
     Mutation(  # Zaya's projection: a chunk's outputs taken from the front, the halo's among them

@@ -35,9 +35,15 @@ from torch_impl.hf._common import check_stateless
 from torch_impl.hf.cca import CCAHalo, is_cca
 from torch_impl.hf.documents import Packed, by_piece, conv_by_document, pieces
 from torch_impl.hf.mlstm import MLSTMState, is_mlstm
-from torch_impl.hf.scans import ConvModuleHalo, DiagonalScan, LightningAttention, MambaScan, SelectiveScan
+from torch_impl.hf.scans import (
+    ConvModuleHalo,
+    DiagonalScan,
+    LightningAttention,
+    MambaScan,
+    SelectiveScan,
+    over_chunks,
+)
 from torch_impl.layout import ShardPlan
-from torch_impl.state import gather_state
 
 CONV = "causal_conv1d_fn"  # (x [B, C, L], weight [C, K], bias, activation) -> [B, C, L]
 # KERNELS (at the end, after the CP versions): chunked kernel -> (the recurrence, its CP version)
@@ -196,13 +202,13 @@ class ChunkState:
             )  # fmt: skip
         # query, key: [B, L, Hk, dk]; value: [B, L, H, dv]; g: [B, L, H] or [B, L, H, dk]; beta: [B, L, H]
         check_stateless(args, initial_state, output_final_state, kwargs.get("cu_seqlens"))
-        n, r, L = _group.world_size(self.group), _group.rank(self.group), query.shape[1]
-        (B, _, H, dv), dk = value.shape, key.shape[-1]
+        (B, L, H, dv), dk = value.shape, key.shape[-1]
         # [B, H, dk, dv + dk]: zeros beside the identity, so the final state is [B | A]
         start = torch.eye(dk, device=value.device).expand(B, H, dk, dk)
         start = torch.cat([start.new_zeros(B, H, dk, dv), start], dim=-1)
-        outs, maps, first = [], [], self.packed.first_rows()
-        for w in ShardPlan.of(self.layout, n, r, L).windows(0):
+        first = self.packed.first_rows()
+
+        def chunk(w):
             rows = w.queries
             wide = torch.cat([value[:, rows], value.new_zeros(B, rows.stop - rows.start, H, dk)], dim=-1)
 
@@ -233,16 +239,13 @@ class ChunkState:
                     runs,
                     dim=1,
                 )
-            outs.append(out)  # [B, C, H, dv + dk]: o_0 | M
-            maps.append(final)  # [B, H, dk, dv + dk]: B | A
-        maps = torch.stack(maps, dim=1)  # [B, k, H, dk, dv + dk]
-        # [B, k, H, dk, dv]: the state each local chunk starts from
-        states = gather_state(maps[..., dv:], maps[..., :dv], self.group, layout=self.layout)
-        out = [
-            o[..., :dv] + torch.einsum("bthk,bhkv->bthv", o[..., dv:], states[:, i])  # [B, C, H, dv]
-            for i, o in enumerate(outs)
-        ]
-        out = out[0] if len(out) == 1 else torch.cat(out, dim=1)  # [B, L, H, dv]
+            # out [B, C, H, dv + dk]: o_0 | M; final [B, H, dk, dv + dk]: B | A
+            return out, final[..., dv:], final[..., :dv]
+
+        def correct(o, state):  # state [B, H, dk, dv]: the one this chunk starts from
+            return o[..., :dv] + torch.einsum("bthk,bhkv->bthv", o[..., dv:], state)  # [B, C, H, dv]
+
+        out = over_chunks(self.group, self.layout, L, chunk, correct, dim=1)  # [B, L, H, dv]
         return out.to(query.dtype), None
 
 

@@ -2,9 +2,10 @@
 scheme, with the map read off the decays instead of widened values): Mamba2's chunked scan
 (MambaScan), Mamba's selective scan (SelectiveScan), MiniMax's lightning attention, whose block
 loop is inline in its forward (LightningAttention), and RecurrentGemma's recurrent block, an
-nn.Conv1d and the RG-LRU's scan (ConvModuleHalo, DiagonalScan). Each runs per local chunk from
-zero (per document piece in packed rows), folds the chunks' (decay, final state) with
-gather_state and adds the state each chunk starts from."""
+nn.Conv1d and the RG-LRU's scan (ConvModuleHalo, DiagonalScan). Each states only its map and its
+correction; `over_chunks`, which torch_impl.hf.recurrent's ChunkState shares, runs them: per local
+chunk from zero (per document piece in packed rows), the chunks' maps folded with gather_state,
+then each chunk corrected by the state it starts from."""
 
 import torch
 
@@ -14,6 +15,23 @@ from torch_impl.hf._common import check_stateless
 from torch_impl.hf.documents import Packed, by_piece, conv_by_document, pieces
 from torch_impl.layout import ShardPlan
 from torch_impl.state import gather_state
+
+
+def over_chunks(group, layout, L, chunk, correct, dim):
+    """What every linear recurrence here does over a rank's L rows: `chunk(w)` runs the model's own
+    kernel over the local chunk w (a Window) from zero, per document piece in packed rows, and
+    returns (what the correction needs, A, B), the chunk's map S_out = A S_in + B ([B, H, m, m],
+    [B, H, m, d]); gather_state gives each chunk the state S_in [B, H, m, d] that the earlier
+    chunks leave, and `correct(kept, S_in)` the chunk's outputs, concatenated along `dim`."""
+    kept, decays, maps = [], [], []
+    for w in ShardPlan.of(layout, _group.world_size(group), _group.rank(group), L).windows(0):
+        k, a, b = chunk(w)
+        kept.append(k)
+        decays.append(a)
+        maps.append(b)
+    states = gather_state(torch.stack(decays, 1), torch.stack(maps, 1), group, layout=layout)
+    out = [correct(k, states[:, i]) for i, k in enumerate(kept)]
+    return out[0] if len(out) == 1 else torch.cat(out, dim=dim)
 
 
 class MambaScan:
@@ -51,11 +69,11 @@ class MambaScan:
             )  # fmt: skip
         given = [kwargs.pop(k, None) for k in ("return_final_states", "cu_seqlens", "seq_idx")]
         check_stateless(args, initial_states, *given)
-        n, r, L = _group.world_size(self.group), _group.rank(self.group), hidden_states.shape[1]
-        (batch, _, H, P), N = hidden_states.shape, B.shape[-1]
+        (batch, L, H, P), N = hidden_states.shape, B.shape[-1]
         discrete = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
-        outs, decays, maps, first = [], [], [], self.packed.first_rows()
-        for w in ShardPlan.of(self.layout, n, r, L).windows(0):
+        first = self.packed.first_rows()
+
+        def chunk(w):
             rows = w.queries
 
             def run(b, lo, hi, _, rows=rows):  # batch rows b, rows [lo, hi) of the chunk, from zero
@@ -76,17 +94,15 @@ class MambaScan:
             # [B, C, H]: the decay to each token, inclusive (0 after a document start)
             reached = (A.float() * step.float()).cumsum(dim=1).exp()
             reached = reached if split is None else reached * split[0][..., None]
-            outs.append((y0, reached, C[:, rows]))
-            decays.append(reached[:, -1][..., None, None])  # [B, H, 1, 1]: a
-            maps.append(final.reshape(batch, H, 1, P * N))  # [B, H, 1, P * N]: B
-        # [B, k, H, P, N]: the state each local chunk starts from
-        states = gather_state(torch.stack(decays, 1), torch.stack(maps, 1), self.group, layout=self.layout)
-        states = states.reshape(batch, len(outs), H, P, N)
-        out = []
-        for i, (y0, reached, c) in enumerate(outs):
+            a, b = reached[:, -1][..., None, None], final.reshape(batch, H, 1, P * N)  # [B, H, 1, 1 | P N]
+            return (y0, reached, C[:, rows]), a, b
+
+        def correct(kept, state):  # state [B, H, 1, P * N]: the one this chunk starts from
+            y0, reached, c = kept
             c = c.float().repeat_interleave(H // c.shape[2], dim=2) * reached[..., None]  # [B, C, H, N]
-            out.append(y0 + torch.einsum("bthn,bhpn->bthp", c, states[:, i]))  # [B, C, H, P]
-        return out[0] if len(out) == 1 else torch.cat(out, dim=1)  # [B, L, H, P]
+            return y0 + torch.einsum("bthn,bhpn->bthp", c, state.reshape(batch, H, P, N))  # [B, C, H, P]
+
+        return over_chunks(self.group, self.layout, L, chunk, correct, dim=1)  # [B, L, H, P]
 
 
 class SelectiveScan:
@@ -111,10 +127,10 @@ class SelectiveScan:
                 u, dt, A, B, C, D, z, delta_bias, delta_softplus, return_last_state, **kwargs
             )  # fmt: skip
         check_stateless((), return_last_state, kwargs.get("cu_seqlens"), kwargs.get("seq_idx"))
-        n, r, L = _group.world_size(self.group), _group.rank(self.group), u.shape[-1]
-        (batch, channels, _), N = u.shape, A.shape[-1]
-        outs, decays, maps, first = [], [], [], self.packed.first_rows()
-        for w in ShardPlan.of(self.layout, n, r, L).windows(0):
+        (batch, channels, L), N = u.shape, A.shape[-1]
+        first = self.packed.first_rows()
+
+        def chunk(w):
             rows = w.queries
 
             def run(b, lo, hi, _, rows=rows):  # batch rows b, rows [lo, hi) of the chunk, from zero
@@ -134,17 +150,15 @@ class SelectiveScan:
             elapsed = step.to(torch.promote_types(step.dtype, A.dtype)).cumsum(dim=-1)  # [batch, D, C]
             decay = (A[:, None, :] * elapsed[..., None]).exp()  # [batch, D, C, N]: to each token
             decay = decay if split is None else decay * split[0][:, None, :, None]  # 0 after a start
-            outs.append((y0, decay, C[..., rows]))
-            decays.append(decay[:, :, -1].reshape(batch, channels * N, 1, 1))  # a
-            maps.append(final.reshape(batch, channels * N, 1, 1).to(decay.dtype))  # B
-        # [batch, k, D, N]: the state each local chunk starts from
-        states = gather_state(torch.stack(decays, 1), torch.stack(maps, 1), self.group, layout=self.layout)
-        states = states.reshape(batch, len(outs), channels, N)
-        out = []
-        for i, (y0, decay, c) in enumerate(outs):
-            carried = decay * states[:, i, :, None, :]  # [batch, D, C, N]
-            out.append(y0 + torch.einsum("bdtn,bnt->bdt", carried, c.to(carried.dtype)))  # [batch, D, C]
-        out = out[0] if len(out) == 1 else torch.cat(out, dim=-1)  # [batch, D, L]
+            a = decay[:, :, -1].reshape(batch, channels * N, 1, 1)
+            return (y0, decay, C[..., rows]), a, final.reshape(batch, channels * N, 1, 1).to(decay.dtype)
+
+        def correct(kept, state):  # state [batch, D * N, 1, 1]: the one this chunk starts from
+            y0, decay, c = kept
+            carried = decay * state.reshape(batch, channels, N)[:, :, None, :]  # [batch, D, C, N]
+            return y0 + torch.einsum("bdtn,bnt->bdt", carried, c.to(carried.dtype))  # [batch, D, C]
+
+        out = over_chunks(self.group, self.layout, L, chunk, correct, dim=-1)  # [batch, D, L]
         return out if z is None else out * torch.nn.functional.silu(z)
 
 
@@ -169,15 +183,15 @@ class LightningAttention:
             forward = type(m).forward
             return forward(m, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
         check_stateless((), past_key_values)
-        n, r, (batch, L, _) = _group.world_size(self.group), _group.rank(self.group), hidden_states.shape
-        H = m.num_attention_heads
+        (batch, L, _), H = hidden_states.shape, m.num_attention_heads
         qkv = m.act_fn(m.qkv_proj(hidden_states))  # [B, L, 3 H D]
         if attention_mask is not None:  # [B, L]: q, k and v zero at padding, as the module's
             qkv = (qkv * attention_mask[:, :, None]).to(qkv.dtype)
         q, k, v = qkv.reshape(batch, L, H, -1).transpose(1, 2).chunk(3, dim=-1)  # [B, H, L, D] each
         rate = m.slope_rate.to(torch.promote_types(m.slope_rate.dtype, torch.float32))  # [H, 1, 1]
-        outs, decays, maps, first = [], [], [], self.packed.first_rows()
-        for w in ShardPlan.of(self.layout, n, r, L).windows(0):
+        first = self.packed.first_rows()
+
+        def chunk(w):
             rows = w.queries
             C = rows.stop - rows.start
             split = pieces(first, w.start, w.end)
@@ -197,17 +211,15 @@ class LightningAttention:
             places = torch.arange(1, C + 1, device=q.device, dtype=rate.dtype)[:, None]  # [C, 1]
             decay = (-rate * places).exp().expand(batch, H, C, 1)  # exp(-s (t + 1)); 0 after a start
             decay = decay if split is None else decay * split[0][:, None, :, None]
-            outs.append((o0, q[:, :, rows], decay))
-            decays.append(decay[:, :, -1:])  # [B, H, 1, 1]: exp(-s C) (0 after a start)
-            maps.append(final.reshape(batch, H, 1, -1).to(rate.dtype))  # [B, H, 1, D * D]: B
-        # [B, k, H, D, D]: the state each local chunk starts from
-        states = gather_state(torch.stack(decays, 1), torch.stack(maps, 1), self.group, layout=self.layout)
-        states = states.reshape(batch, len(outs), H, *final.shape[-2:])
-        out = [
-            o0 + torch.matmul(q_w.to(rate.dtype) * decay, states[:, i]).to(o0.dtype)  # [B, H, C, D]
-            for i, (o0, q_w, decay) in enumerate(outs)
-        ]
-        out = out[0] if len(out) == 1 else torch.cat(out, dim=2)  # [B, H, L, D]
+            # a: [B, H, 1, 1], exp(-s C) (0 after a start); B: [B, H, 1, D * D]
+            return (o0, q[:, :, rows], decay), decay[:, :, -1:], final.reshape(batch, H, 1, -1).to(rate.dtype)
+
+        def correct(kept, state):  # state [B, H, 1, D * D]: the one this chunk starts from
+            o0, q_w, decay = kept
+            state = state.reshape(batch, H, q_w.shape[-1], -1)  # [B, H, D, D]
+            return o0 + torch.matmul(q_w.to(rate.dtype) * decay, state).to(o0.dtype)  # [B, H, C, D]
+
+        out = over_chunks(self.group, self.layout, L, chunk, correct, dim=2)  # [B, H, L, D]
         out = m.norm(out.transpose(1, 2).reshape(batch, L, -1))  # [B, L, H D]
         out = torch.sigmoid(m.output_gate(hidden_states)) * out
         return m.out_proj(out), None
@@ -285,20 +297,19 @@ class DiagonalScan:
         if self.packed.aside():  # an unsharded call: the module's own scan
             return self.scan(hidden_states, recurrent_gate, reset, recurrent_states, acc_dtype)
         check_stateless((), recurrent_states)
-        n, r, (batch, L, W) = _group.world_size(self.group), _group.rank(self.group), hidden_states.shape
-        outs, decays, maps = [], [], []
-        for w in ShardPlan.of(self.layout, n, r, L).windows(0):
+        batch, L, W = hidden_states.shape
+
+        def chunk(w):
             rows = w.queries
             h0, final = self.scan(
                 hidden_states[:, rows], recurrent_gate[:, rows], reset[:, rows], None, acc_dtype
             )
             carried = (recurrent_gate[:, rows] * ~reset[:, rows]).to(acc_dtype).cumprod(dim=1)  # [B, C, W]
-            outs.append((h0, carried))
-            decays.append(carried[:, -1].reshape(batch, W, 1, 1))  # a
-            maps.append(final.reshape(batch, W, 1, 1).to(acc_dtype))  # B
-        # [B, k, W]: the state each local chunk starts from
-        states = gather_state(torch.stack(decays, 1), torch.stack(maps, 1), self.group, layout=self.layout)
-        states = states.reshape(batch, len(outs), W)
-        out = [(h0 + carried * states[:, i, None, :]).to(h0.dtype) for i, (h0, carried) in enumerate(outs)]
-        out = out[0] if len(out) == 1 else torch.cat(out, dim=1)  # [B, L, W]
-        return out, None
+            a, b = carried[:, -1].reshape(batch, W, 1, 1), final.reshape(batch, W, 1, 1).to(acc_dtype)
+            return (h0, carried), a, b
+
+        def correct(kept, state):  # state [B, W, 1, 1]: the one this chunk starts from
+            h0, carried = kept
+            return (h0 + carried * state.reshape(batch, 1, W)).to(h0.dtype)  # [B, C, W]
+
+        return over_chunks(self.group, self.layout, L, chunk, correct, dim=1), None  # [B, L, W]
