@@ -493,6 +493,20 @@ MUTATIONS += [
         "reach = 0",
         ("parity_tests/test_hf.py", "-k", "float64 and qwen3_5-2"),
     ),
+    Mutation(  # the CP forward without the forward's decorators (accelerate's offload hooks dropped)
+        "rebound_forward_without_its_decorators",
+        "torch_impl/hf/rebind.py",
+        "    for wrapper in reversed(functions[:-1]):",
+        "    for wrapper in ():",
+        ("parity_tests/test_rebind.py",),
+    ),
+    Mutation(  # a kernel package behind transformers' dispatcher taken for its PyTorch function
+        "kernel_package_not_refused",
+        "torch_impl/hf/rebind.py",
+        'if not found.get("is_new_implementation"):',
+        "if True:",
+        ("parity_tests/test_rebind.py",),
+    ),
     Mutation(  # packed rows: a Gated DeltaNet document's state not reset where it starts
         "recurrent_state_not_reset_at_a_document_start",
         "torch_impl/hf/recurrent.py",

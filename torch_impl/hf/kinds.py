@@ -20,7 +20,7 @@ from torch_impl.hf.compressed import COMPRESSED, is_compressor
 from torch_impl.hf.inkling import is_relative, is_token_conv
 from torch_impl.hf.mlstm import check_mlstm, is_mlstm
 from torch_impl.hf.ple import is_ple
-from torch_impl.hf.recurrent import CONV, KERNELS, is_known, is_short_conv
+from torch_impl.hf.recurrent import CONV, KERNELS, is_known, is_short_conv, refusal
 
 SUPPORTED_LAYER_TYPES = (
     "full_attention",
@@ -125,12 +125,16 @@ def _kind(name, module, family=""):
     if type(module).__name__ in SHORT_CONVS:
         if not is_short_conv(module):
             raise refuse(name, module, f"does not call `{CONV}` over its own depthwise `conv`")
+        if refusal(module):
+            raise refuse(name, module, refusal(module))
         return "short_conv"
     if is_token_conv(module) or is_ple(module):
         return "token_conv"
     if is_mlstm(module) and check_mlstm(module):
         raise refuse(name, module, check_mlstm(module))
     if is_known(module):
+        if refusal(module):
+            raise refuse(name, module, refusal(module))
         return "recurrent"
     name_ = type(module).__name__
     if (

@@ -25,7 +25,7 @@ from torch_impl.hf.inputs import MaskCountPositions, ModelInputs, PaddingIndexPo
 from torch_impl.hf.kinds import HYBRID, SHORT_CONVS, is_qsa, layer_type, refuse, walk
 from torch_impl.hf.mlstm import is_mlstm
 from torch_impl.hf.ple import PLEHalo, is_ple
-from torch_impl.hf.recurrent import apply_recurrent, is_known, is_lightning, is_short_conv
+from torch_impl.hf.recurrent import apply_recurrent, is_known, is_lightning, is_short_conv, refusal
 from torch_impl.layout import check as check_layout
 
 # model types whose position_ids default to a count of real tokens (their learned position embeddings)
@@ -279,6 +279,9 @@ def _one_rank(model, isolates):
         return model
     if getattr(model, "cp_transport_paths", None) is not None:
         raise refuse("", model, "is already parallelized")
+    for module in linear:
+        if refusal(module):
+            raise refuse("", module, refusal(module))
     for module in hooked:
         hook = OneRankDocuments(module, id(model))
         module.register_forward_pre_hook(hook, with_kwargs=True)

@@ -15,14 +15,16 @@ first dv columns are o_0 and B, the last dk are M and A. `gather_state` then giv
 S_in from the earlier chunks' (A, B) (one all-gather of dk * (dk + dv) values per head and chunk,
 whatever the length), and o = o_0 + M S_in. The conv takes its K - 1 preceding inputs by gather_halo.
 
-Nothing global changes: the module's forward is its class's own function with a copy of its
-module's globals in which `causal_conv1d_fn` and the chunked kernel are the CP versions below (the
-model's own functions, called over a halo / with the identity state). Checkpoints are unaffected
+Nothing global changes: the module's forward is its class's own function, decorators kept, over a
+copy of its module's globals in which `causal_conv1d_fn` and the chunked kernel are the CP versions
+below (the model's own functions, called over a halo / with the identity state; torch_impl.hf.rebind).
+Those are transformers' kernel dispatchers: where flash-linear-attention, causal-conv1d or mamba_ssm
+is installed they run that package's kernel, which the widened state and the float32 query are not
+verified through, so `refusal` refuses the model naming the package. Checkpoints are unaffected
 (the parameters are the module's own). Of the forward's context they read only its packed
 documents (Packed): each document's state starts from zero and its conv reads nothing before it.
 """
 
-import dis
 import inspect
 import types
 
@@ -35,6 +37,7 @@ from torch_impl.hf._common import check_stateless
 from torch_impl.hf.cca import CCAHalo, is_cca
 from torch_impl.hf.documents import Packed, by_piece, conv_by_document, pieces
 from torch_impl.hf.mlstm import MLSTMState, is_mlstm
+from torch_impl.hf.rebind import global_loads, kernel_package, rebind
 from torch_impl.hf.scans import (
     ConvModuleHalo,
     DiagonalScan,
@@ -54,18 +57,10 @@ LIGHTNING = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
 FUSED = ("mamba2_split_conv1d_scan_combined", "mamba_inner_fn")
 
 
-def _global_loads(module: nn.Module) -> set:
-    """The global names a module's forward loads (its bytecode's LOAD_GLOBAL): what apply_recurrent
-    can replace (a `self.causal_conv1d_fn` attribute is not)."""
-    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
-    loads = dis.get_instructions(code) if code is not None else ()
-    return {i.argval for i in loads if i.opname == "LOAD_GLOBAL"}
-
-
 def kernel_of(module: nn.Module) -> str | None:
     """The chunked kernel a linear-attention module's forward calls (a KERNELS key), where it also
     calls CONV with its own `conv1d`; else None."""
-    names = _global_loads(module)
+    names = global_loads(type(module).forward)
     kernel = next((name for name in KERNELS if name in names), None)
     conv = isinstance(getattr(module, "conv1d", None), nn.Conv1d) and CONV in names
     return kernel if conv else None
@@ -75,7 +70,8 @@ def is_short_conv(module: nn.Module) -> bool:
     """Whether `module` is a short convolution (LFM2's gated `Lfm2ShortConv`, Inkling's): a depthwise
     causal `conv` (or `conv1d`) whose forward calls CONV and no chunked kernel (ConvHalo alone
     makes it CP)."""
-    conv, names = getattr(module, "conv", None) or getattr(module, "conv1d", None), _global_loads(module)
+    conv = getattr(module, "conv", None) or getattr(module, "conv1d", None)
+    names = global_loads(type(module).forward)
     return (
         isinstance(conv, nn.Conv1d)
         and conv.groups == conv.in_channels == conv.out_channels
@@ -131,20 +127,55 @@ def apply_recurrent(module: nn.Module, group, layout: str) -> str:
         module.rg_lru._rnn_scan = DiagonalScan(module.rg_lru._rnn_scan, group, layout, halo.packed)
         return "RecurrentGemma's RG-LRU"
     kernel = kernel_of(module)
-    forward = inspect.unwrap(type(module).forward)
-    # the module's globals but its __name__: torch.compile reads a named scope's globals from the
-    # module of that name (where the CP functions are not), an unnamed one from this dict
-    scope = {name: value for name, value in forward.__globals__.items() if name != "__name__"}
-    scope[CONV] = conv = ConvHalo(scope[CONV], group, layout)
-    if kernel is not None:
-        scope[kernel] = KERNELS[kernel][1](scope[kernel], group, layout)
-    scope.update({name: Unfused(scope[name], conv.packed) for name in FUSED if scope.get(name) is not None})
-    own = types.FunctionType(
-        forward.__code__, scope, forward.__name__, forward.__defaults__, forward.__closure__
+    module.forward = types.MethodType(
+        rebind(type(module).forward, _cp_functions(module, group, layout)), module
     )
-    own.__kwdefaults__ = forward.__kwdefaults__
-    module.forward = types.MethodType(own, module)
     return "short convolution" if kernel is None else KERNELS[kernel][0]
+
+
+def _replaced(module) -> list:
+    """The global names a conv's or chunked recurrence's forward runs with replaced: its conv, its
+    chunked kernel, the fused kernels it tries first."""
+    kernel, loads = kernel_of(module), global_loads(type(module).forward)
+    return [CONV, *([kernel] if kernel is not None else []), *(name for name in FUSED if name in loads)]
+
+
+def _cp_functions(module, group, layout) -> dict:
+    """The CP versions of the functions `_replaced(module)` names."""
+    scope = inspect.unwrap(type(module).forward).__globals__
+    conv = ConvHalo(scope[CONV], group, layout)
+    functions = {CONV: conv}
+    for name in _replaced(module)[1:]:
+        cp = (
+            Unfused(scope[name], conv.packed)
+            if name in FUSED
+            else KERNELS[name][1](scope[name], group, layout)
+        )
+        functions[name] = cp
+    return functions
+
+
+def refusal(module: nn.Module) -> str | None:
+    """Why a conv's or chunked recurrence's forward (kernel_of or is_short_conv) cannot run over
+    the CP functions, else None: a kernel package behind its conv or kernel, or a forward rebind
+    cannot copy. None for the recurrences whose whole forward or scan is replaced."""
+    if kernel_of(module) is None and not is_short_conv(module):
+        return None
+    scope = inspect.unwrap(type(module).forward).__globals__
+    for name in (name for name in _replaced(module) if name not in FUSED):  # (under CP no fused one runs)
+        package = kernel_package(scope.get(name))
+        if package is not None:
+            return (
+                f"calls `{name}`, which transformers dispatches to {package}'s kernel, installed here: "
+                "CP runs convs and chunked recurrences through transformers' PyTorch functions only "
+                f"(the kernel called over a halo and from a widened [0 | I] state), so {package} must "
+                "not be installed where this model trains context-parallel"
+            )
+    try:
+        rebind(type(module).forward, dict.fromkeys(_replaced(module)))
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 class Unfused:

@@ -1,0 +1,100 @@
+"""The adapter's one rebinding: a module's forward run with some of the global functions it calls
+replaced (torch_impl.hf.recurrent's causal convs and chunked kernels), and what stands behind those
+functions in transformers.
+
+transformers has no substitution point for them: its kernel dispatchers
+(`use_kernel_func_from_hub_with_fallback`) pick their implementation once, when the model's module
+is imported, and its hub kernels (`use_kernelized_func`, `kernelize`) replace whole layers. So the
+forward's own code runs over a copy of its module's globals in which the replaced names are the CP
+versions; nothing global changes. Guarded:
+- each replaced name must be one the forward loads as a global (its bytecode's LOAD_GLOBAL; an
+  attribute `self.causal_conv1d_fn` of the same name is not one);
+- every decorator of the forward (a `functools.wraps` wrapper holding the function it wraps in its
+  closure, as transformers' `force_accelerate_hooks`) is kept around the new function, and each
+  function keeps its `__name__`, `__qualname__`, `__module__`, `__doc__` and `__wrapped__`.
+"""
+
+import dis
+import inspect
+import types
+
+# the packages transformers' dispatchers run in place of their PyTorch functions, by distribution
+DISTRIBUTIONS = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d", "mamba_ssm": "mamba-ssm"}
+
+
+def global_loads(function) -> set:
+    """The global names `function`'s innermost code loads (LOAD_GLOBAL), under its decorators."""
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    return {i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"} if code else set()
+
+
+def kernel_package(function) -> str | None:
+    """The package (its distribution's name) whose kernel `function`, a transformers kernel
+    dispatcher, calls in place of its own PyTorch function because the package is installed; None
+    where it calls the PyTorch function, or `function` dispatches nothing."""
+    if not isinstance(function, types.FunctionType) or not hasattr(function, "__wrapped__"):
+        return None
+    found = inspect.getclosurevars(function).nonlocals
+    if not found.get("is_new_implementation"):
+        return None
+    return DISTRIBUTIONS.get(found.get("package"), found.get("package") or "an installed package")
+
+
+def _holds(cell, function) -> bool:
+    try:
+        return cell.cell_contents is function
+    except ValueError:  # an empty cell
+        return False
+
+
+def _copy(function, scope, closure):
+    new = types.FunctionType(function.__code__, scope, function.__name__, function.__defaults__, closure)
+    new.__kwdefaults__ = function.__kwdefaults__
+    new.__dict__.update(function.__dict__)  # functools.wraps' attributes, __wrapped__ set by the caller
+    new.__module__, new.__qualname__, new.__doc__ = (
+        function.__module__,
+        function.__qualname__,
+        function.__doc__,
+    )
+    new.__annotations__ = dict(function.__annotations__)
+    return new
+
+
+def chain(function) -> list:
+    """`function`, the function each of its decorators wraps, ..., the innermost; ValueError where a
+    decorator is not a function holding the one it wraps in its closure (rebind could not keep it)."""
+    found = [function]
+    while hasattr(found[-1], "__wrapped__"):
+        outer, inner = found[-1], found[-1].__wrapped__
+        if not isinstance(outer, types.FunctionType) or not any(
+            _holds(cell, inner) for cell in outer.__closure__ or ()
+        ):
+            raise ValueError(
+                f"its forward's decorator {outer!r} does not hold the function it wraps in a closure"
+            )
+        found.append(inner)
+    if not isinstance(found[-1], types.FunctionType):
+        raise ValueError(f"its forward {found[-1]!r} is not a Python function")
+    return found
+
+
+def rebind(function, replacements: dict):
+    """A copy of `function` (a forward, decorated or not) whose innermost code sees `replacements`
+    (global name -> object) in place of its module's globals of those names; its decorators kept.
+    ValueError (before anything is made) for a name the code does not load as a global."""
+    functions = chain(function)
+    inner = functions[-1]
+    missing = sorted(set(replacements) - global_loads(inner))
+    if missing:
+        raise ValueError(f"its forward {inner.__qualname__} loads no global {missing}")
+    # the module's globals but its __name__: torch.compile reads a named scope's globals from the
+    # module of that name (where the CP functions are not), an unnamed one from this dict
+    scope = {name: value for name, value in inner.__globals__.items() if name != "__name__"}
+    scope.update(replacements)
+    old, new = inner, _copy(inner, scope, inner.__closure__)
+    for wrapper in reversed(functions[:-1]):
+        closure = tuple(types.CellType(new) if _holds(cell, old) else cell for cell in wrapper.__closure__)
+        wrapped, old = new, wrapper
+        new = _copy(wrapper, wrapper.__globals__, closure)
+        new.__wrapped__ = wrapped
+    return new
