@@ -28,14 +28,14 @@ test-all: $(STAMP)
 	$(PY) -m pytest -q
 
 parity: $(STAMP)
-	$(PY) -m pytest -q parity_tests/test_parity.py parity_tests/test_parity_layouts.py
+	$(PY) -m pytest -q parity_tests/transport/test_parity.py parity_tests/transport/test_parity_layouts.py
 
 # every causal-LM family of the pinned transformers against one process; writes docs/models.md
 models: $(STAMP)
-	$(PY) -m parity_tests.model_sweep
+	$(PY) -m tools.model_sweep
 
 mutants: $(STAMP)
-	$(PY) -m parity_tests.mutations
+	$(PY) -m tools.mutations
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -2,7 +2,7 @@
 
     python -m benchmarks.gpu_check [--budget 540] [--skip-tests | --skip-capacity] [--json out/gpu_check.json]
 
-1. The CUDA tests, `pytest -m cuda parity_tests/test_cuda.py` (torch_impl.attention's flash and
+1. The CUDA tests, `pytest -m cuda parity_tests/cuda/test_cuda.py` (torch_impl.attention's flash and
    flex rows and the absorbed DSA attention against the CPU math, the transport on CUDA tensors,
    torch_impl.hf's families on CUDA models, examples.train on NCCL): counts, what failed and the
    slowest cases, each outcome streamed to `<json>_tests.log` as it ends. The tests get the budget
@@ -58,7 +58,7 @@ def run_tests(stem, timeout):
     share ran out. pytest is stopped as Ctrl-C stops it, so it still writes its JUnit report."""
     env = os.environ | {"JAX_PLATFORMS": "cpu", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     junit, log = f"{stem}_tests.xml", f"{stem}_tests.log"
-    command = [sys.executable, "-m", "pytest", "-m", "cuda", "-v", "-rfEs", "parity_tests/test_cuda.py"]
+    command = [sys.executable, "-m", "pytest", "-m", "cuda", "-v", "-rfEs", "parity_tests/cuda/test_cuda.py"]
     command += [f"--junitxml={junit}", f"--timeout={TEST_TIMEOUT_S}", "-p", "no:cacheprovider"]
     began = time.perf_counter()
     result = {"passed": 0, "skipped": 0, "failed": []}

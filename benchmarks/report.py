@@ -1,13 +1,15 @@
 """`make bench-report`: the figures of the README and the docs, written from the benchmarks' JSON.
 
-    python -m benchmarks.report [--check]
+    python -m benchmarks.report [--check] [--show NAME [--results DIR]]
 
 Every block of README.md and docs/*.md between `<!-- generated: NAME -->` and `<!-- end generated -->`
 is NAME's rendering (BLOCKS below) of the files it reads in docs/results/, which the `make bench*`
 targets write (cp_support.results: rows, arguments, and the stamp naming the commit, the machine
 and the command). Each block says which run it comes from. A block whose file is missing says which
-target writes it. `--check` writes nothing and exits 1 if a block differs from its rendering (the
-test suite runs it), so a figure in the docs is never older than the file it is generated from.
+target writes it. `--check` writes nothing and exits 1 if a block differs from its rendering, a
+results file feeds no block or a block is shown nowhere (the test suite runs it), so a figure in the
+docs is never older than the file it is generated from. `--show NAME` prints NAME's rendering of
+the files in `--results` (docs/results/ by default).
 """
 
 import argparse
@@ -48,8 +50,8 @@ def documents():
     return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
-def load(name):
-    path = RESULTS / f"{name}.json"
+def load(name, results=RESULTS):
+    path = results / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -148,9 +150,9 @@ TARGETS = {
 }
 
 
-def render(name):
+def render(name, results=RESULTS):
     files, fn = BLOCKS[name]
-    data = [load(f) for f in files]
+    data = [load(f, results) for f in files]
     missing = [f for f, d in zip(files, data, strict=True) if d is None]
     if missing:
         targets = dict.fromkeys(TARGETS[f] for f in missing)
@@ -172,7 +174,19 @@ def rewrite(text):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a block is out of date")
+    p.add_argument("--show", choices=sorted(BLOCKS), help="print this block's rendering and stop")
+    p.add_argument("--results", type=Path, default=RESULTS, help="the JSON files --show renders")
     args = p.parse_args(argv)
+    if args.show:
+        print(render(args.show, args.results), end="")
+        return 0
+    read = {name for files, _ in BLOCKS.values() for name in files}
+    unread = sorted({path.stem for path in RESULTS.glob("*.json")} - read)
+    shown = {match[1] for path in documents() for match in BLOCK.findall(path.read_text())}
+    unshown = sorted(set(BLOCKS) - shown)
+    if unread or unshown:
+        print(f"results files no block reads: {unread}; blocks no page shows: {unshown}")
+        return 1
     stale = []
     for path in documents():
         text = path.read_text()

@@ -12,7 +12,7 @@ jax.config.update("jax_enable_x64", True)
 
 import pytest  # noqa: E402
 
-from parity_tests.workers import WorkerPool  # noqa: E402
+from parity_tests.harness.workers import WorkerPool  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -24,8 +24,8 @@ def pool():
 
 
 def pytest_terminal_summary(terminalreporter):
-    """CP_TEST_MARGINS=1: each test's worst difference against its bound (parity_tests.bounds)."""
-    from parity_tests import bounds
+    """CP_TEST_MARGINS=1: each test's worst difference against its bound (parity_tests.harness.bounds)."""
+    from parity_tests.harness import bounds
 
     if bounds.WORST and os.environ.get(bounds.ENV_VAR, "0") == "1":
         terminalreporter.section("margins")

@@ -8,7 +8,7 @@ sigmoid loss on each pair's log-prob margin. Each row's completion log-prob is s
 ranks' shards (`torch_impl.reductions.sum_sequence`: one value per row on the wire), so every CP
 rank computes its replica's loss as one process would. Prints each step's `loss` and `grad_norm`,
 the rewards' margin, and the `eval_loss`. `--cp-size 1` runs the plain DPOTrainer (the tests
-compare the two: parity_tests/test_trainer.py).
+compare the two: parity_tests/trainer/test_trainer.py).
 """
 
 import argparse

@@ -9,7 +9,7 @@ its advantage within its prompt's group. Every CP rank generates its replica's c
 the model itself (as one process: generation is not sharded), the replica's ranks agree on CP
 rank 0's, then score and train on their shards of the rows (torch_impl.hf.rl). Prints each
 step's `loss`, `grad_norm` and mean reward, and the `eval_loss`. `--cp-size 1` runs the plain
-GRPOTrainer (the tests compare the two: parity_tests/test_trainer.py).
+GRPOTrainer (the tests compare the two: parity_tests/trainer/test_trainer.py).
 """
 
 import argparse

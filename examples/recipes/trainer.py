@@ -7,7 +7,7 @@ rows of 13 to 31 tokens, SGD, gradient accumulation 2. Each rank gets every row 
 batch and runs its shard of each sequence; nothing else in the script changes. Prints each step's
 `loss` and `grad_norm` and the `eval_loss`, then reloads the saved checkpoint as the plain model.
 `--cp-size 1` runs the same script as a plain data-parallel Trainer (the tests compare the two:
-parity_tests/test_trainer.py).
+parity_tests/trainer/test_trainer.py).
 """
 
 import argparse

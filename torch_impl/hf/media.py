@@ -50,7 +50,7 @@ MODALITIES = {
 MEDIA_KEYS = tuple(k for m in MODALITIES.values() for k in (m.pixels, m.grid, *m.per_item)) + (
     "second_per_grid_ts",
 )
-# the families whose images are exact under CP (parity_tests/test_hf_media.py); others are refused
+# the families whose images are exact under CP (parity_tests/hf/test_hf_media.py); others are refused
 VERIFIED = (
     *("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp"),
     *("cosmos3_omni", "hyperclovax_vision_v2", "exaone4_5", "minimax_m3_vl", "dots3_note"),

@@ -1,0 +1,209 @@
+"""What each gloo rank runs for parity_tests/hf/test_hf_media.py: a tiny vision-language model given a
+batch with images (and a video where the family has one), made CP by torch_impl.hf, against the
+same model in one process on the whole batch, with zoo_cases' float64 bounds.
+
+The batch (B = 2, S = 32, boundaries of 2 and 4 ranks at 8, 16, 24): row 0 holds image A across
+the boundary at 8 and image B; row 1, left-padded by 3, holds image C (or a video) across the
+boundary at 16. With 4 ranks and 3 items one rank encodes nothing.
+"""
+
+import copy
+
+import torch
+
+from parity_tests.hf import zoo, zoo_cases
+from torch_impl import hf
+from torch_impl.hf import attention, media
+
+S = 32
+# families whose processors give patch rows and (t, h, w) grids, as Qwen's
+GRIDS_OF = (
+    *("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp"),
+    *("cosmos3_omni", "hyperclovax_vision_v2", "exaone4_5", "minimax_m3_vl", "dots3_note"),
+)
+VISION = {  # the vision tower's tiny sizes: images of 4 tokens
+    "llava": dict(image_size=16, patch_size=8),
+    "mistral3": dict(image_size=16, patch_size=4),
+    "lighton_ocr": dict(image_size=16, patch_size=4),
+    "aya_vision": dict(image_size=16, patch_size=4),
+    "cohere2_vision": dict(image_size=16, patch_size=4),
+    "internvl": dict(image_size=[16, 16], patch_size=[4, 4]),
+    "gemma3": dict(image_size=24, patch_size=4),  # 6 x 6 patches pooled to 3 x 3: images of 9 tokens
+    "deepseek_vl": dict(image_size=16, patch_size=8),
+    "video_llava": dict(image_size=16, patch_size=8),
+    "qianfan_ocr": dict(image_size=[16, 16], patch_size=[4, 4]),
+}
+MM_TOKENS = {"gemma3": 9}  # config.mm_tokens_per_image
+IMAGE_SIZES = ("mistral3", "lighton_ocr")  # their images come with their sizes
+GRIDS = ((1, 4, 8), (1, 4, 4), (1, 4, 8))  # Qwen's images A, B, C: (t, h, w) patches, 8, 4, 8 tokens
+VIDEO = (2, 4, 4)  # Qwen's video in C's place: 2 temporal patches, 8 tokens
+FRAMES = (
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen3_5",
+    "qwen3_5_moe",
+)  # their videos' frames apart, each with its timestamp (at 14 and 21)
+STARTS = ((0, 6), (0, 20), (1, 12))  # (row, first placeholder) of A, B, C
+# Gemma 3's images of 9 tokens, longer than its sliding window (8): A at [11, 20) across the two
+# ranks' edge and ending at a chunk's end (head_tail on 4 ranks: chunks of 4), B at [23, 32) to the
+# row's end, C at [5, 14); on 4 ranks chunk 2's lookahead runs 8 tokens on, past a sliding
+# layer's 7 back, and B and C span three ranks' chunks
+STARTS_OF = {"gemma3": ((0, 11), (0, 23), (1, 5))}
+
+
+def build(model_type):
+    config = zoo.tiny_config(model_type)
+    for key, value in VISION.get(model_type, {}).items():
+        setattr(config.vision_config, key, value)
+    if model_type in MM_TOKENS:
+        config.mm_tokens_per_image = MM_TOKENS[model_type]
+    if hasattr(config.vision_config, "out_hidden_size"):  # Qwen's merger projects to the text width
+        config.vision_config.out_hidden_size = config.get_text_config().hidden_size
+    torch.manual_seed(0)
+    model = zoo.TASKS["image_text"][0].from_config(config).to(torch.float64).eval()
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")
+    return model
+
+
+def media_batch(config, video=False, seed=3, count=4):
+    """The module docstring's batch: token ids, attention_mask, labels, the processor's media and
+    token types (1: image, 2: video)."""
+    gen = torch.Generator().manual_seed(seed)
+    qwen = config.model_type in GRIDS_OF
+    image, video_id = config.image_token_id, getattr(config, "video_token_id", None)
+    marks = [getattr(config, k, None) for k in ("vision_start_token_id", "vision_end_token_id")]
+    special = {image, video_id, *marks, getattr(config.get_text_config(), "pad_token_id", None)}
+    text = torch.tensor([t for t in range(*zoo.TOKENS) if t not in special])
+    ids = text[torch.randint(len(text), (2, S), generator=gen)]
+    types = torch.zeros_like(ids)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    grids = list(GRIDS[:2]) + ([] if video else [GRIDS[2]])
+    starts = STARTS_OF.get(config.model_type, STARTS)
+    items = [(s, g, 1) for s, g in zip(starts, grids, strict=False)]
+    items += [(starts[2], VIDEO, 2)] if video else []
+    for (row, start), grid, kind in items:
+        count = (grid[0] * grid[1] * grid[2]) // 4 if qwen else count  # Qwen: merged 2x2 patches
+        segments = [(start, count)]
+        if kind == 2 and config.model_type in FRAMES:  # <t> <start> frame <end> <t> <start> frame <end>
+            segments = [(start + 2 + 7 * t, count // grid[0]) for t in range(grid[0])]
+        for first, tokens in segments:
+            ids[row, first : first + tokens] = image if kind == 1 else video_id
+            types[row, first : first + tokens] = kind
+            if qwen and None not in marks:  # vision start and end marks, where the config has them
+                ids[row, first - 1], ids[row, first + tokens] = marks
+    labels = ids.masked_fill(mask == 0, -100)
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    vision = config.vision_config
+    if qwen:
+        channels = getattr(vision, "in_channels", None) or vision.num_channels
+        width = channels * getattr(vision, "temporal_patch_size", 1) * vision.patch_size**2
+        rows = sum(t * h * w for t, h, w in grids)
+        batch |= {"pixel_values": torch.randn(rows, width, generator=gen, dtype=torch.float64)}
+        batch |= {"image_grid_thw": torch.tensor(grids), "mm_token_type_ids": types}
+        if video:
+            frames = VIDEO[0] * VIDEO[1] * VIDEO[2]
+            batch |= {"pixel_values_videos": torch.randn(frames, width, generator=gen, dtype=torch.float64)}
+            batch |= {"video_grid_thw": torch.tensor([VIDEO])}
+        return batch
+    size = vision.image_size[0] if isinstance(vision.image_size, (list, tuple)) else vision.image_size
+    batch["pixel_values"] = torch.randn(
+        3, vision.num_channels, size, size, generator=gen, dtype=torch.float64
+    )
+    if config.model_type in IMAGE_SIZES:
+        batch["image_sizes"] = torch.tensor([[size, size]] * 3)
+    if config.model_type in media.BLOCKWISE:  # its processor's token types: its images' tokens see each other
+        batch["token_type_ids"] = types
+    return batch
+
+
+def tokens_an_image(model):
+    """How many placeholder tokens one of media_batch's images takes (its features' rows), for the
+    families without a grid (Qwen's are counted from it)."""
+    config = model.config
+    if config.model_type in GRIDS_OF:
+        return None
+    one = media_batch(config, count=1)
+    kwargs = {key: one[key][:1] for key in ("pixel_values", "image_sizes") if key in one}
+    with torch.no_grad():
+        out = model.model.get_image_features(**kwargs, return_dict=True)
+    pooled = out.pooler_output
+    return (
+        sum(p.shape[0] for p in pooled)
+        if isinstance(pooled, (tuple, list))
+        else pooled[0].numel() // pooled.shape[-1]
+    )
+
+
+def compare(group, model_type, layout="contiguous", video=False, block=None):
+    """The worst difference / bound of logits, loss and gradients (zoo_cases._ratios), and what
+    came out worst; the vision tower's gradients are among them. `block`: the queries a chunk
+    with images that see each other attends at once (default: attention.IMAGE_QUERY_BLOCK)."""
+    default = attention.IMAGE_QUERY_BLOCK  # (a worker of the suite's pool: reset below)
+    attention.IMAGE_QUERY_BLOCK = default if block is None else block
+    try:
+        return _compare(group, model_type, layout, video)
+    finally:
+        attention.IMAGE_QUERY_BLOCK = default
+
+
+def _compare(group, model_type, layout, video):
+    model = build(model_type)
+    batch = media_batch(model.config, video, count=tokens_an_image(model))
+    one_process = copy.deepcopy(model)
+    reference = zoo_cases._run(one_process, batch)
+    decoder = next(name for name, m in model.named_modules() if m is model.get_decoder())
+    vision = {k for k, g in reference[2].items() if g is not None and not k.startswith(decoder + ".")}
+    vision -= {k for k in vision if k.startswith("lm_head")}
+    assert any(reference[2][k].abs().max() > 0 for k in vision), "the vision tower gets no gradient"
+    hf.parallelize(model, group, layout=layout, verbose=False)
+    logits, loss, grads = zoo_cases._run(model, hf.shard_batch(batch, group, layout=layout))
+    # a rank that encoded no item has no gradient for the vision tower and projector: it adds zeros
+    grads = {
+        k: torch.zeros_like(reference[2][k]) if g is None and k in vision else g for k, g in grads.items()
+    }
+    return zoo_cases._ratios(model, batch, reference, (logits, loss, grads), group, layout)
+
+
+def refused(group, model_type):
+    """The ValueError of a family whose media are not split."""
+    model = build(model_type)
+    hf.parallelize(model, group, verbose=False)
+    config = model.config
+    batch = zoo.padded_batch(config)
+    size = config.vision_config.image_size
+    batch["pixel_values"] = torch.zeros(1, config.vision_config.num_channels, size, size, dtype=torch.float64)
+    batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
+    try:
+        model(**hf.shard_batch(batch, group))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def packed_refused(group, model_type):
+    """The ValueError of a family in media.BLOCKWISE given packed rows (position_ids restarting, no
+    attention_mask) with its images."""
+    model = build(model_type)
+    hf.parallelize(model, group, verbose=False)
+    batch = media_batch(model.config, count=tokens_an_image(model))
+    del batch["attention_mask"]
+    batch["position_ids"] = torch.arange(S).remainder(S // 2).expand(2, S)  # two documents a row
+    try:
+        model(**hf.shard_batch(batch, group))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def video_refused(group, model_type):
+    """The ValueError of a family whose images are split but whose videos are not, given a video."""
+    model = build(model_type)
+    hf.parallelize(model, group, verbose=False)
+    batch = media_batch(model.config, video=True)
+    try:
+        model(**hf.shard_batch(batch, group))
+    except ValueError as e:
+        return str(e)
+    return None

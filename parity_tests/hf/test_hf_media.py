@@ -1,0 +1,79 @@
+"""Images and videos under CP (torch_impl.hf.media): a vision-language model given the processor's
+batch, sharded by hf.shard_batch, equals one process on the whole batch (logits at every real
+position, the summed loss, every gradient, the vision tower's and the projector's included), on
+images whose placeholder tokens straddle shard boundaries, with a left-padded row, on 2 ranks
+(contiguous) and 4 (head_tail, one rank encoding nothing), and a video for the Qwen families
+(parity_tests.hf.media_cases holds the batch and the rank bodies)."""
+
+import pytest
+import torch
+
+from parity_tests.hf import media_cases
+from torch_impl import hf
+from torch_impl.hf import media
+
+CASES = [(family, 2, "contiguous", False) for family in media.VERIFIED]
+CASES += [(family, 4, "head_tail", False) for family in media.VERIFIED]
+CASES += [(family, 2, "contiguous", True) for family in media.VIDEOS]
+CASES += [(family, 4, "head_tail", True) for family in media.VIDEOS]  # a frame per rank
+
+
+@pytest.mark.parametrize("family, n, layout, video", CASES)
+def test_media_batch_equals_one_process(pool, family, n, layout, video):
+    for ratios, why in pool.run(("first", n), media_cases.compare, family, layout, video)[0]:
+        assert max(ratios.values()) <= 1, (family, why, ratios)
+
+
+def test_gemma3_images_in_query_blocks(pool):
+    """Gemma 3's chunks holding images, 3 queries at a time (blocks that cut its images and its
+    sliding window unevenly), on 4 ranks under head_tail: exact."""
+    for ratios, why in pool.run(("first", 4), media_cases.compare, "gemma3", "head_tail", False, 3)[0]:
+        assert max(ratios.values()) <= 1, (why, ratios)
+
+
+def test_unverified_media_are_refused(pool):
+    """A family whose images are not verified under CP (VipLLaVA): refused, saying so, on every rank."""
+    for message in pool.run(("first", 2), media_cases.refused, "vipllava")[0]:
+        assert message and "its vision inputs are not verified under CP" in message, message
+
+
+def test_unverified_videos_are_refused(pool):
+    """MiniMax-M3-VL's images are split, its videos not (the sweep's video comes out wrong): a
+    batch with a video is refused, saying so, on every rank."""
+    for message in pool.run(("first", 2), media_cases.video_refused, "minimax_m3_vl")[0]:
+        assert message and "minimax_m3_vl its videos are not verified under CP" in message, message
+
+
+def test_packed_rows_with_gemma3_images_are_refused(pool):
+    """Packed rows with images whose tokens see each other: transformers' sliding masks read the
+    image ids by each document's positions, mixing documents; refused on every rank."""
+    for message in pool.run(("first", 2), media_cases.packed_refused, "gemma3")[0]:
+        assert message and "which mixes documents" in message, message
+
+
+def test_share_is_contiguous_and_balanced():
+    """Each rank's items: contiguous, in rank order, every item once, balanced by pixel rows."""
+    assert media.share([1, 1, 1], 2) == [(0, 1), (1, 3)]  # an item goes where its middle falls
+    assert media.share([1, 1, 1], 4) == [(0, 1), (1, 1), (1, 2), (2, 3)]
+    assert media.share([32, 16, 16, 32], 2) == [(0, 2), (2, 4)]
+    assert media.share([100, 1, 1, 1], 2) == [(0, 1), (1, 4)]
+    for weights in ([3, 1, 4, 1, 5, 9, 2, 6], [1] * 7, [5]):
+        parts = media.share(weights, 3)
+        assert parts[0][0] == 0 and parts[-1][1] == len(weights)
+        assert all(a[1] == b[0] for a, b in zip(parts, parts[1:], strict=False))
+
+
+def test_shard_batch_passes_media_whole_and_shards_token_types():
+    """Media go to every rank whole, the token types with the tokens; types marking media in a
+    batch without any are refused."""
+    ids = torch.arange(16).view(2, 8)
+    types = (ids % 3 == 0).long()
+    pixels = torch.randn(5, 12)
+    grid = torch.tensor([[1, 1, 5]])
+    batch = {"input_ids": ids, "mm_token_type_ids": types, "pixel_values": pixels, "image_grid_thw": grid}
+
+    local = hf.shard_batch(batch, None)
+    assert local["pixel_values"] is pixels and local["image_grid_thw"] is grid
+    assert torch.equal(local["mm_token_type_ids"], types)
+    with pytest.raises(ValueError, match=r"marks image or video tokens .* holds no images"):
+        hf.shard_batch({"input_ids": ids, "mm_token_type_ids": types}, None)
