@@ -19,8 +19,9 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from torch_impl import gather_sequence
-from torch_impl.hf.attention import attend_chunks, check_call, local_mask
+from torch_impl.hf.attention import attend_chunks, check_call
 from torch_impl.hf.indexed import AbsorbedMLA, IndexedContext
+from torch_impl.hf.masks import local_mask
 
 IMPLEMENTATION = "cp_allgather"
 

@@ -25,7 +25,7 @@ import torch
 from parity_tests.harness import bounds
 from torch_impl import attention
 from torch_impl.attention import kernels
-from torch_impl.attention.tiles import tile_plan
+from torch_impl.attention.plan import tile_plan
 
 
 def float64_bound(sums, T, scale, scores):
@@ -121,7 +121,7 @@ def make_inputs(L, h, B, H, Hkv, documents, padding, seed=0, dtype=torch.float64
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    monkeypatch.setattr(attention.tiles, "BLOCK", {"global": 7, "window": 5, "masked": 6})
+    monkeypatch.setattr(attention.plan, "BLOCK", {"global": 7, "window": 5, "masked": 6})
 
 
 def score_bound(q, k, scale, softcap, sinks):
@@ -293,7 +293,7 @@ def test_tile_plan_skips_tiles_across_documents(L, h, window):
     T, block = h + L, 4
     for seed in range(4):
         docs = packed_documents(2, T, seed)
-        spans = attention.tiles.document_spans(docs, L, block)
+        spans = attention.plan.document_spans(docs, L, block)
         rule = attention.mask_mod(h, 0, window, docs, None)
         b = torch.arange(2)[:, None, None]
         covered = torch.zeros(L, T, dtype=torch.long)
@@ -325,7 +325,7 @@ def test_a_skipped_tile_is_never_computed():
                 KeyRows.rows += args[2].shape[2]  # the tile's keys (forward and backward: args[2])
             return func(*args, **kwargs)
 
-    L, T, block = 512, 2048, attention.tiles.BLOCK["masked"]
+    L, T, block = 512, 2048, attention.plan.BLOCK["masked"]
     docs = torch.cat([torch.zeros(T - 600, dtype=torch.long), torch.ones(600, dtype=torch.long)])[None]
     docs = docs.expand(2, -1).clone()  # every query's document starts at key row T - 600
     gen = torch.Generator().manual_seed(0)
@@ -334,7 +334,7 @@ def test_a_skipped_tile_is_never_computed():
     with KeyRows():
         out = attention.causal_attention(q, k, v, T - L, 0, documents=docs)
         out.sum().backward()
-    spans = attention.tiles.document_spans(docs, L, block)
+    spans = attention.plan.document_spans(docs, L, block)
     planned = sum(t.k1 - t.k0 for _, _, tiles in tile_plan(L, T, None, block, False, spans) for t in tiles)
     unskipped = sum(t.k1 - t.k0 for _, _, tiles in tile_plan(L, T, None, block, True) for t in tiles)
     assert KeyRows.rows == 2 * planned and planned < unskipped / 2, (KeyRows.rows, planned, unskipped)

@@ -25,8 +25,9 @@ reaches and leave tiles inside one document unmasked (`tile_plan`'s spans); on C
 create_block_mask marks such blocks empty (flex_attention skips them) or full (no mask_mod call).
 The CUDA rows are PyTorch's own fused kernels (`parity_tests/cuda/test_cuda.py` checks them against the
 CPU tiles, `make gpu-check`). Modules: `rule` (the visibility rule and the arguments' checks),
-`kernels` (`causal_attention` and the kernel table), `tiles` (the CPU tiles), `sparse_mla`
-(DeepSeek Sparse Attention's absorbed form, `sparse_mla_attention`).
+`kernels` (`causal_attention` and the kernel table), `tiles` (the CPU tiles), `plan` (which
+tiles, and how each is masked), `sparse_mla` (DeepSeek Sparse Attention's absorbed form,
+`sparse_mla_attention`).
 """
 
 from torch_impl.attention.kernels import causal_attention, choose_kernel

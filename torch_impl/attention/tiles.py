@@ -1,101 +1,16 @@
 """The CPU kernel: query blocks over key tiles (the CPU flash op where a tile is fully visible or
 diagonal, under a block-sized mask otherwise; explicit block-sized scores where they are
 soft-capped), merged by log-sum-exp, attention sinks joined to the merged denominator, with an
-exact backward that recomputes each tile. Packed documents' tiles that no query's document
-reaches are never computed."""
+exact backward that recomputes each tile. Which tiles, and how each is masked, is
+torch_impl.attention.plan's, the same plan forward and backward: packed documents' tiles that no
+query's document reaches are never computed."""
 
 import math
-from typing import NamedTuple
 
 import torch
 
-from torch_impl.attention.rule import mask_mod, repeat_kv
-from torch_impl.layout import document_starts
-
-# CPU tiles: query rows per block (and key rows per tile that needs a mask), sizes chosen by timing
-BLOCK = {"global": 1024, "window": 256, "masked": 512}
-
-
-class Tile(NamedTuple):
-    """Query rows [q0, q1) against key rows [k0, k1) (local indices) and how to mask them."""
-
-    q0: int
-    q1: int
-    k0: int
-    k1: int
-    kind: str  # "full": every pair visible; "causal": the diagonal square; "masked": mask_mod's mask
-
-
-def tile_plan(L, T, window, block, masked, spans=None, merge=True):
-    """Every tile of the attention, grouped by query block: a pure function of the shapes (and,
-    for packed documents, of where they start).
-
-    Query block [q0, q1) owns key rows [q0 + off, q1 + off) (off = T - L: its own positions), the
-    "causal" diagonal tile; keys before those come in tiles of `block` rows going left, until the
-    window or row 0 ends them. Without data masks (`masked` False) a tile every query fully sees is
-    "full" and the full tiles of a block merge into one (unless `merge` is False: explicit scores,
-    each tile then keeps its `block` rows); with padding (or documents not given as spans) every
-    tile is "masked" and keeps its `block` rows, so that no mask exceeds block x block. spans: per
-    query block, (earliest, latest) key rows: the start of its first query's document (the least
-    over the batch) and of its last query's (the most). Keys before `earliest` are in no query's
-    document and get no tile; a tile from `latest` on lies in every query's document and stays
-    unmasked; the tiles between are masked.
-    Returns a tuple of (q0, q1, tiles) per query block.
-    """
-    off, plan = T - L, []
-    for i, q0 in enumerate(range(0, L, block)):
-        q1 = min(q0 + block, L)
-        lo = 0 if window is None else max(0, q0 + off - window + 1)  # the first key any of them sees
-        earliest, latest = (0, 0) if spans is None else spans[i]
-        lo = max(lo, earliest)
-
-        def cut(k0, latest=latest):  # some query of the block sees only part of the tile from k0
-            return masked or k0 < latest
-
-        banded = cut(q0 + off) or window is not None and q1 - q0 > window  # the window cuts the square too
-        tiles = [Tile(q0, q1, q0 + off, q1 + off, "masked" if banded else "causal")]
-        k1 = q0 + off
-        while k1 > lo:
-            k0 = max(lo, k1 - block)
-            full = window is None or (q1 - 1 + off) - k0 < window  # the last query still sees k0
-            kind = "full" if full and not cut(k0) else "masked"
-            if merge and kind == "full" and tiles[-1].kind == "full":
-                tiles[-1] = tiles[-1]._replace(k0=k0)
-            else:
-                tiles.append(Tile(q0, q1, k0, k1, kind))
-            k1 = k0
-        plan.append((q0, q1, tuple(tiles)))
-    return tuple(plan)
-
-
-def _tile_mask(tile, visible, dtype, device):
-    """Additive float mask [B or 1, 1, q1-q0, k1-k0] (0: seen, -inf: not) and bool [.., q1-q0]: the
-    rows that see some key of the tile."""
-    rows = torch.arange(tile.q0, tile.q1, device=device)[None, :, None]
-    cols = torch.arange(tile.k0, tile.k1, device=device)[None, None, :]
-    batch = torch.arange(visible.batch, device=device)[:, None, None]
-    seen = visible.rule(batch, None, rows, cols)  # bool [B or 1, nq, nk]
-    mask = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, -math.inf)
-    return mask[:, None], seen.any(-1)[:, None]
-
-
-def document_spans(documents, L, block):
-    """tile_plan's spans from documents (int [B, T] per key row, the last L rows the queries'), or
-    None where a document's ids are not one run (ids that decrease somewhere): then every tile is
-    masked. One host read."""
-    if documents.shape[1] > 1 and bool((documents[:, 1:] < documents[:, :-1]).any()):
-        return None
-    off, starts = documents.shape[1] - L, document_starts(documents)  # [B, T]
-    firsts = [off + q0 for q0 in range(0, L, block)]
-    lasts = [off + min(q0 + block, L) - 1 for q0 in range(0, L, block)]
-    earliest = starts[:, firsts].amin(dim=0).tolist()
-    latest = starts[:, lasts].amax(dim=0).tolist()
-    return tuple(zip(earliest, latest, strict=True))
-
-
-class _Visible(NamedTuple):
-    rule: object  # mask_mod
-    batch: int  # the mask's batch size: B with documents or padding, else 1
+from torch_impl.attention.plan import plan_call, tile_mask
+from torch_impl.attention.rule import repeat_kv
 
 
 def _tile_forward(q, key, value, tile, visible, scale, groups, softcap, work):
@@ -108,7 +23,7 @@ def _tile_forward(q, key, value, tile, visible, scale, groups, softcap, work):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, tile.kind == "causal", scale=scale
         )
-    mask, seen = _tile_mask(tile, visible, q.dtype, q.device)
+    mask, seen = tile_mask(tile, visible, q.dtype, q.device)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, attn_mask=mask, scale=scale
     )
@@ -135,7 +50,7 @@ def _hide_unseen(t, tile, visible):
     """t ([B, Hkv, groups * nq, nk], a tile's scores or exponents) -inf, in place, where its
     queries do not see its keys; returns t."""
     if tile.kind != "full":
-        mask, _ = _tile_mask(tile, visible, t.dtype, t.device)  # [B or 1, 1, nq, nk]: 0 or -inf
+        mask, _ = tile_mask(tile, visible, t.dtype, t.device)  # [B or 1, 1, nq, nk]: 0 or -inf
         t.unflatten(2, (-1, tile.q1 - tile.q0)).add_(mask[:, :, None])  # every query head alike
     return t
 
@@ -191,19 +106,6 @@ def _merge(out, lse, tile_out, tile_lse):
     return out, merged
 
 
-def _plan(query, key, q_start, k_start, window, documents, padding, softcap):
-    """(tile_plan, _Visible) of one call: the same in forward and backward (pure, one host read of
-    the documents where they run in order)."""
-    B, _, L, _ = query.shape
-    masked = documents is not None or padding is not None  # masks that differ per row
-    visible = _Visible(mask_mod(q_start, k_start, window, documents, padding), B if masked else 1)
-    block = BLOCK["window" if window is not None else "masked" if masked or softcap else "global"]
-    spans = None if documents is None else document_spans(documents, L, block)
-    masked_tiles = padding is not None or documents is not None and spans is None
-    # soft-capped scores are explicit: every tile keeps its block rows, so none exceeds block^2
-    return tile_plan(L, key.shape[2], window, block, masked_tiles, spans, merge=softcap is None), visible
-
-
 def _work(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32  # merging precision
 
@@ -242,7 +144,7 @@ def tiled_attention(
     """
     B, H, L, D = query.shape
     groups = H // key.shape[1]
-    plan, visible = _plan(query, key, q_start, k_start, window, documents, padding, softcap)
+    plan, visible = plan_call(query, key, q_start, k_start, window, documents, padding, softcap)
     work = _work(query.dtype)
     out = query.new_empty(B, H, L, D)  # [B, H, L, D]
     lse = query.new_empty(B, H, L, dtype=work)  # [B, H, L]
@@ -287,7 +189,7 @@ def tiled_attention_backward(
     grad_sinks is empty without sinks."""
     B, Hkv, T, D = key.shape
     groups = query.shape[1] // Hkv
-    plan, visible = _plan(query, key, q_start, k_start, window, documents, padding, softcap)
+    plan, visible = plan_call(query, key, q_start, k_start, window, documents, padding, softcap)
     work = _work(query.dtype)
     lse = lse.masked_fill(lse == -math.inf, math.inf)  # rows that saw nothing: every weight 0
     grad_q, grad_k, grad_v = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
@@ -306,7 +208,7 @@ def tiled_attention_backward(
                 v = repeat_kv(value[:, :, tile.k0 : tile.k1], groups)  # [B, H, nk, D]
                 mask = None
                 if tile.kind == "masked":
-                    mask, _ = _tile_mask(tile, visible, query.dtype, query.device)
+                    mask, _ = tile_mask(tile, visible, query.dtype, query.device)
                 dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     g, q, k, v, o, row_lse, 0.0, tile.kind == "causal", attn_mask=mask, scale=scale
                 )

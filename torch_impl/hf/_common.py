@@ -3,6 +3,7 @@ CP context that the model's pre-hook makes for its mask function, reading a forw
 by name in hooks, fetching a layer's keys and values (`fetch_kv`), and the pieces of the dense
 path: a chunk's queries in blocks, which keys they see, the model's attention on that mask."""
 
+from contextlib import contextmanager
 import inspect
 from typing import NamedTuple
 
@@ -79,6 +80,18 @@ class Running:
 
 
 RUNNING = Running()
+
+
+@contextmanager
+def in_context(context, inner):
+    """`inner` (a context manager) entered with RUNNING.context set to `context`; the Context that
+    was running is restored after."""
+    outer, RUNNING.context = RUNNING.context, context
+    try:
+        with inner:
+            yield
+    finally:
+        RUNNING.context = outer
 
 
 class Arguments:

@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from torch_impl import _group, validation
 from torch_impl.hf import media
 from torch_impl.hf._common import IMPLEMENTATION, INDEXED, LINEAR, RUNNING, SLIDING, Arguments, Aside, Context
-from torch_impl.hf.attention import make_mask
 from torch_impl.hf.batch import BATCH_KEYS, LAYOUT, TYPE_KEYS
 from torch_impl.hf.documents import creates_cache as _creates_cache
 from torch_impl.hf.indexed import IndexedContext
+from torch_impl.hf.masks import make_mask
 from torch_impl.layout import Documents, ShardPlan, packed_ids, reach_of
 from torch_impl.metadata import gather_metadata
 

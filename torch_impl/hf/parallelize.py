@@ -2,7 +2,6 @@
 (torch_impl.hf.kinds), then each kind made CP: the model's attention switched to the registered
 implementation, layers' classes mixed, hooks added."""
 
-from contextlib import contextmanager
 import inspect
 import logging
 
@@ -13,7 +12,7 @@ from transformers import PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from torch_impl import _group
-from torch_impl.hf._common import IMPLEMENTATION, INDEXED, RUNNING, SLIDING, mix
+from torch_impl.hf._common import IMPLEMENTATION, INDEXED, RUNNING, SLIDING, in_context, mix
 from torch_impl.hf.block_sparse import BLOCK_SPARSE, BlockIndexer
 from torch_impl.hf.cca import is_cca
 from torch_impl.hf.compressed import COMPRESSED, CompressedEntries
@@ -320,14 +319,4 @@ def _checkpoint_contexts():
     forward, recompute = create_selective_checkpoint_contexts(_save_collectives_and_attention)
     if torch.compiler.is_compiling():  # compiled, the recomputation is traced with the forward
         return forward, recompute
-    return forward, _in_context(RUNNING.context, recompute)
-
-
-@contextmanager
-def _in_context(context, inner):
-    outer, RUNNING.context = RUNNING.context, context
-    try:
-        with inner:
-            yield
-    finally:
-        RUNNING.context = outer
+    return forward, in_context(RUNNING.context, recompute)
