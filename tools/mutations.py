@@ -202,7 +202,7 @@ MUTATIONS = [
     ),
     Mutation(
         "full_attention_drops_the_padding",
-        "torch_impl/hf/attention.py",
+        "torch_impl/hf/masks.py",
         "padding = None if attention_mask is None else context.padding  # bool [B, S]",
         "padding = None  # bool [B, S]",
         ("parity_tests/hf/test_hf.py", "-k", "(one_process_float64 or head_tail_layout) and llama"),
@@ -241,14 +241,14 @@ MUTATIONS += [
     ),
     Mutation(
         "tiles_skip_the_first_key_of_a_document",
-        "torch_impl/attention/tiles.py",
+        "torch_impl/attention/plan.py",
         "lo = max(lo, earliest)",
         "lo = max(lo, earliest + 1)",
         ("parity_tests/attention/test_attention.py", "-k", "skips_tiles or skipped_tile"),
     ),
     Mutation(
         "tiles_unmasked_across_documents",
-        "torch_impl/attention/tiles.py",
+        "torch_impl/attention/plan.py",
         "return masked or k0 < latest",
         "return masked",
         ("parity_tests/attention/test_attention.py", "-k", "skips_tiles"),
@@ -297,7 +297,7 @@ MUTATIONS += [
     ),
     Mutation(  # a document's ids taken for one run: its tiles skipped where the ids come back
         "document_spans_assume_one_run_per_id",
-        "torch_impl/attention/tiles.py",
+        "torch_impl/attention/plan.py",
         "if documents.shape[1] > 1 and bool((documents[:, 1:] < documents[:, :-1]).any()):",
         "if False:",
         ("parity_tests/attention/test_attention.py", "-k", "brute_force"),
