@@ -488,7 +488,7 @@ MUTATIONS += [
     ),
     Mutation(  # the conv in front of a linear attention without its kernel - 1 earlier inputs
         "recurrent_conv_without_halo",
-        "torch_impl/hf/recurrent.py",
+        "torch_impl/hf/chunked.py",
         "reach = weight.shape[-1] - 1",
         "reach = 0",
         ("parity_tests/hf/test_hf.py", "-k", "float64 and qwen3_5-2"),
@@ -509,7 +509,7 @@ MUTATIONS += [
     ),
     Mutation(  # packed rows: a Gated DeltaNet document's state not reset where it starts
         "recurrent_state_not_reset_at_a_document_start",
-        "torch_impl/hf/recurrent.py",
+        "torch_impl/hf/chunked.py",
         "start[b : b + 1] if head and carried[b, 0] else torch.zeros_like(start[b : b + 1]),",
         "start[b : b + 1],",
         ("parity_tests/hf/test_hf.py", "-k", "packed_sequences_equal and qwen3_5-contiguous"),
@@ -548,7 +548,7 @@ MUTATIONS += [
     ),
     Mutation(  # the layer's transition read transposed
         "recurrent_transition_transposed",
-        "torch_impl/hf/recurrent.py",
+        "torch_impl/hf/chunked.py",
         "return out, final[..., dv:], final[..., :dv]",
         "return out, final[..., dv:].transpose(-1, -2), final[..., :dv]",
         ("parity_tests/hf/test_recurrent.py", "-k", "random and gdn-4"),

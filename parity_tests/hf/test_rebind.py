@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from parity_tests.hf import hf_models
-from torch_impl.hf import kinds, rebind, recurrent
+from torch_impl.hf import chunked, kinds, rebind, recurrent
 
 
 def double(x):
@@ -95,7 +95,7 @@ def test_accelerate_hooks_still_fire_in_a_cp_forward():
     layer.conv1d._hf_hook = Hook()
     assert torch.equal(layer(x), expected)
     assert Hook.calls == 1
-    assert isinstance(layer.forward.__func__.__wrapped__.__globals__[recurrent.CONV], recurrent.ConvHalo)
+    assert isinstance(layer.forward.__func__.__wrapped__.__globals__[recurrent.CONV], chunked.ConvHalo)
 
 
 @pytest.mark.parametrize(

@@ -39,9 +39,11 @@ flash/flex kernels), or at the first call (a KV cache past the first step, custo
 4-D mask, non-text inputs). Which families are exact and which are refused, and why:
 docs/models.md (`make models`).
 
-Modules: `parallelize` (the checks and the plan), one per layer kind (`attention`: full and
-sliding; `short_conv`; `recurrent`: linear attention; `indexed`: DeepSeek Sparse Attention),
-`inputs` (`shard_batch` and the base model's pre-hook), `heads` (sequence classification),
+Modules: `kinds` (which kind each token-mixing module is, or the refusal), `parallelize` (each
+kind made CP), one per layer kind (`attention`: full and sliding; `recurrent`: linear attention and
+short convs, with `RECURRENCES` their table; `indexed`: DeepSeek Sparse Attention and Qwen4's QSA;
+...: docs/design.md names them all), `inputs` (the base model's pre-hook), `batch` (`shard_batch`),
+`heads` (sequence classification),
 `trainer` (`ContextParallelMixin`: transformers' Trainer and TRL's SFTTrainer, RewardTrainer,
 DPOTrainer, KTOTrainer, GRPOTrainer and RLOOTrainer; `whole_rows`: TRL's fused LM head called
 with whole rows, sharded and its outputs gathered; `rl`: GRPO's and RLOO's generation).

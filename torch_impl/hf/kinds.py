@@ -18,9 +18,8 @@ from torch_impl.hf.attention import AttentionSetup, temperature_scale
 from torch_impl.hf.block_sparse import BLOCK_SPARSE, is_block_sparse
 from torch_impl.hf.compressed import COMPRESSED, is_compressor
 from torch_impl.hf.inkling import is_relative, is_token_conv
-from torch_impl.hf.mlstm import check_mlstm, is_mlstm
 from torch_impl.hf.ple import is_ple
-from torch_impl.hf.recurrent import CONV, KERNELS, is_known, is_short_conv, refusal
+from torch_impl.hf.recurrent import CONV, KERNELS, is_known, is_short_conv, recurrence_of, refusal
 
 SUPPORTED_LAYER_TYPES = (
     "full_attention",
@@ -130,11 +129,11 @@ def _kind(name, module, family=""):
         return "short_conv"
     if is_token_conv(module) or is_ple(module):
         return "token_conv"
-    if is_mlstm(module) and check_mlstm(module):
-        raise refuse(name, module, check_mlstm(module))
     if is_known(module):
-        if refusal(module):
-            raise refuse(name, module, refusal(module))
+        kind = recurrence_of(module)
+        why = kind.refusal(module) if kind.refusal is not None else None
+        if why:
+            raise refuse(name, module, why)
         return "recurrent"
     name_ = type(module).__name__
     if (

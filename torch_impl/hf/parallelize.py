@@ -14,7 +14,6 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from torch_impl import _group
 from torch_impl.hf._common import IMPLEMENTATION, INDEXED, RUNNING, SLIDING, in_context, mix
 from torch_impl.hf.block_sparse import BLOCK_SPARSE, BlockIndexer
-from torch_impl.hf.cca import is_cca
 from torch_impl.hf.compressed import COMPRESSED, CompressedEntries
 from torch_impl.hf.documents import OneRankDocuments, Packed, isolates_documents
 from torch_impl.hf.heads import apply_head, check_head
@@ -22,9 +21,8 @@ from torch_impl.hf.indexed import AbsorbedMLA, BlockedIndexer, QSAIndexer
 from torch_impl.hf.inkling import RelativeTable, TokenConvHalo, is_relative, is_token_conv
 from torch_impl.hf.inputs import MaskCountPositions, ModelInputs, PaddingIndexPositions, Positions
 from torch_impl.hf.kinds import HYBRID, SHORT_CONVS, is_qsa, layer_type, refuse, walk
-from torch_impl.hf.mlstm import is_mlstm
 from torch_impl.hf.ple import PLEHalo, is_ple
-from torch_impl.hf.recurrent import apply_recurrent, is_known, is_lightning, is_short_conv, refusal
+from torch_impl.hf.recurrent import apply_recurrent, is_known, is_short_conv, refusal
 from torch_impl.layout import check as check_layout
 
 # model types whose position_ids default to a count of real tokens (their learned position embeddings)
@@ -145,16 +143,6 @@ def apply_inputs(model, decoder, hooked, group, validate, layout="contiguous", i
         module.register_forward_hook(hook.done, with_kwargs=True, always_call=True)
 
 
-def apply_short_conv(convs, group, layout="contiguous"):
-    """Every short convolution runs its own forward with CP's conv (torch_impl.hf.recurrent's
-    ConvHalo: the conv's inputs over a halo of kernel - 1). Returns which path they take."""
-    return {
-        type(module).__name__: f"{apply_recurrent(module, group, layout)}: its own forward, the conv over a "
-        "halo of kernel - 1 inputs"
-        for module in convs
-    }
-
-
 def apply_token_conv(convs, group, layout="contiguous"):
     """Every token-dependent short conv (Inkling2's) runs its own forward per chunk over a halo of
     kernel - 1 inputs (torch_impl.hf.inkling.TokenConvHalo), every PLE layer (Qwen4's) over the
@@ -173,25 +161,13 @@ def apply_token_conv(convs, group, layout="contiguous"):
     return paths
 
 
-def apply_linear_attention(modules, group, layout="contiguous"):
-    """Every linear-attention module runs its own forward with CP's conv and chunked kernel, or
-    MiniMax's lightning attention its block loop per chunk (torch_impl.hf.recurrent). Returns
-    which path they take."""
+def apply_recurrences(modules, group, layout="contiguous"):
+    """Every recurrent layer and short convolution made CP as its kind in
+    torch_impl.hf.recurrent.RECURRENCES says. Returns which path they take."""
     paths = {}
     for module in modules:
-        name = apply_recurrent(module, group, layout)
-        if is_lightning(module):
-            path = "its block loop from zero per chunk, corrected by the earlier chunks' state (gather_state)"
-        elif is_cca(module):
-            path = "its own forward per chunk over the K hidden states before it (a halo: its q/k convs "
-            path += "and delayed values)"
-        elif is_mlstm(module):
-            path = "its own forward per chunk from zero (its map), then from the earlier chunks' state "
-            path += "(gather_state) and stabiliser (max-plus fold)"
-        else:
-            path = "its own forward, the conv over a halo of kernel - 1 inputs, the chunked kernel from the "
-            path += "earlier chunks' state (gather_state)"
-        paths[type(module).__name__] = f"{name}: {path}"
+        kind = apply_recurrent(module, group, layout)
+        paths[type(module).__name__] = f"{kind.name}: {kind.path}"
     return paths
 
 
@@ -245,9 +221,9 @@ def parallelize(
     apply_inputs(model, decoder, hooked, group, validate, layout, isolate_documents)
     paths = (
         apply_attention(decoder, attentions)
-        | apply_short_conv(convs, group, layout)
+        | apply_recurrences(convs, group, layout)
         | apply_token_conv(token_convs, group, layout)
-        | apply_linear_attention(linear, group, layout)
+        | apply_recurrences(linear, group, layout)
         | apply_head(model, group, layout)
     )
     model.cp_transport_paths = paths
@@ -286,8 +262,8 @@ def _one_rank(model, isolates):
         module.register_forward_pre_hook(hook, with_kwargs=True)
         module.register_forward_hook(hook.done, with_kwargs=True, always_call=True)
     model.cp_transport_paths = {
-        type(module).__name__: f"{apply_recurrent(module, None, 'contiguous')}: each packed document from "
-        "zero, as under CP"
+        type(module).__name__: f"{apply_recurrent(module, None, 'contiguous').name}: each packed document "
+        "from zero, as under CP"
         for module in linear
     } | {name: f"{path}, each document alone" for name, path in apply_token_conv(token_convs, None).items()}
     return model

@@ -16,8 +16,9 @@ S_in from the earlier chunks' (A, B) (one all-gather of dk * (dk + dv) values pe
 whatever the length), and o = o_0 + M S_in. The conv takes its K - 1 preceding inputs by gather_halo.
 
 Nothing global changes: the module's forward is its class's own function, decorators kept, over a
-copy of its module's globals in which `causal_conv1d_fn` and the chunked kernel are the CP versions
-below (the model's own functions, called over a halo / with the identity state; torch_impl.hf.rebind).
+copy of its module's globals in which `causal_conv1d_fn` and the chunked kernel are their CP versions
+(torch_impl.hf.chunked: the model's own functions, called over a halo / with the identity state;
+torch_impl.hf.rebind makes the copy).
 Those are transformers' kernel dispatchers: where flash-linear-attention, causal-conv1d or mamba_ssm
 is installed they run that package's kernel, which the widened state and the float32 query are not
 verified through, so `refusal` refuses the model naming the package. Checkpoints are unaffected
@@ -25,18 +26,16 @@ verified through, so `refusal` refuses the model naming the package. Checkpoints
 documents (Packed): each document's state starts from zero and its conv reads nothing before it.
 """
 
+from collections.abc import Callable
 import inspect
 import types
+from typing import NamedTuple
 
-import torch
 from torch import nn
 
-from torch_impl import _group
-from torch_impl.halo import gather_halo
-from torch_impl.hf._common import check_stateless
 from torch_impl.hf.cca import CCAHalo, is_cca
-from torch_impl.hf.documents import Packed, by_piece, conv_by_document, pieces
-from torch_impl.hf.mlstm import MLSTMState, is_mlstm
+from torch_impl.hf.chunked import ChunkState, ConvHalo, Unfused
+from torch_impl.hf.mlstm import MLSTMState, check_mlstm, is_mlstm
 from torch_impl.hf.rebind import global_loads, kernel_package, rebind
 from torch_impl.hf.scans import (
     ConvModuleHalo,
@@ -44,12 +43,10 @@ from torch_impl.hf.scans import (
     LightningAttention,
     MambaScan,
     SelectiveScan,
-    over_chunks,
 )
-from torch_impl.layout import ShardPlan
 
 CONV = "causal_conv1d_fn"  # (x [B, C, L], weight [C, K], bias, activation) -> [B, C, L]
-# KERNELS (at the end, after the CP versions): chunked kernel -> (the recurrence, its CP version)
+# KERNELS and RECURRENCES, the table of the kinds made CP here: at the end
 # MiniMax's lightning attention: per head its decay rate and the decays within a block
 LIGHTNING = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
 # fused kernels a forward tries first (mamba_ssm's conv + scan + norm + projection): under CP they
@@ -81,7 +78,7 @@ def is_short_conv(module: nn.Module) -> bool:
 
 
 def is_lightning(module: nn.Module) -> bool:
-    """Whether `module` is MiniMax's lightning attention (LightningAttention below): its decay
+    """Whether `module` is MiniMax's lightning attention (scans.LightningAttention): its decay
     buffers, its projections and its norm, as transformers' MiniMaxLightningAttention has them."""
     parts = ("qkv_proj", "output_gate", "out_proj")
     return all(hasattr(module, name) for name in (*LIGHTNING, "norm", "act_fn", "block_size")) and all(
@@ -104,33 +101,43 @@ def is_griffin(module: nn.Module) -> bool:
 
 
 def is_known(module: nn.Module) -> bool:
-    """Whether `module` is a linear-attention module made CP here (or xLSTM's mLSTM, torch_impl.hf.mlstm;
-    Zaya's CCA projection, torch_impl.hf.cca)."""
-    known = kernel_of(module) is not None or is_lightning(module) or is_griffin(module)
-    return known or is_mlstm(module) or is_cca(module)
+    """Whether `module` is a linear-attention module made CP here (a RECURRENCES kind but the short
+    conv: xLSTM's mLSTM, torch_impl.hf.mlstm; Zaya's CCA projection, torch_impl.hf.cca; ...)."""
+    kind = recurrence_of(module)
+    return kind is not None and kind.name != SHORT_CONV
 
 
-def apply_recurrent(module: nn.Module, group, layout: str) -> str:
-    """Run `module` (is_known(module) or is_short_conv(module)) context-parallel; returns the
-    recurrence's name."""
-    if is_lightning(module):
-        module.forward = LightningAttention(module, group, layout)
-        return "MiniMax lightning attention"
-    if is_mlstm(module):
-        module.forward = MLSTMState(module, group, layout)
-        return "xLSTM's mLSTM"
-    if is_cca(module):
-        module.forward = CCAHalo(module, group, layout)
-        return "Zaya's CCA projection"
-    if is_griffin(module):
-        halo = ConvModuleHalo(module.conv_1d, group, layout)
-        module.rg_lru._rnn_scan = DiagonalScan(module.rg_lru._rnn_scan, group, layout, halo.packed)
-        return "RecurrentGemma's RG-LRU"
-    kernel = kernel_of(module)
+def recurrence_of(module: nn.Module) -> "Recurrence | None":
+    """The first RECURRENCES kind that recognises `module`, else None."""
+    return next((kind for kind in RECURRENCES if kind.recognise(module)), None)
+
+
+def apply_recurrent(module: nn.Module, group, layout: str) -> "Recurrence":
+    """Run `module` (is_known(module) or is_short_conv(module)) context-parallel; returns its kind."""
+    kind = recurrence_of(module)
+    kind.apply(module, group, layout)
+    return kind
+
+
+def _rebound(module, group, layout):
+    """The module's own forward over the CP versions of its conv and chunked kernel (rebind)."""
     module.forward = types.MethodType(
         rebind(type(module).forward, _cp_functions(module, group, layout)), module
     )
-    return "short convolution" if kernel is None else KERNELS[kernel][0]
+
+
+def _griffin(module, group, layout):
+    halo = ConvModuleHalo(module.conv_1d, group, layout)
+    module.rg_lru._rnn_scan = DiagonalScan(module.rg_lru._rnn_scan, group, layout, halo.packed)
+
+
+def _forward(cls):
+    """Making a module CP by replacing its forward with `cls(module, group, layout)`."""
+
+    def apply(module, group, layout):
+        module.forward = cls(module, group, layout)
+
+    return apply
 
 
 def _replaced(module) -> list:
@@ -178,111 +185,62 @@ def refusal(module: nn.Module) -> str | None:
     return None
 
 
-class Unfused:
-    """A fused kernel (mamba_ssm's conv + scan + norm + projection) in a CP forward: None, the
-    forward's cue for its own unfused path (the fused one would scan the shard alone); in an
-    unsharded call the kernel itself."""
-
-    def __init__(self, kernel, packed):
-        self.kernel, self.packed = kernel, packed
-
-    def __call__(self, *args, **kwargs):
-        return self.kernel(*args, **kwargs) if self.packed.aside() else None
-
-
-class ConvHalo:
-    """The model's causal conv over each local chunk's K - 1 preceding inputs, then the chunk: the
-    inputs travel as the sending rank computed them (the layer masks padding before its
-    projections, as in one process), so no mask travels."""
-
-    def __init__(self, conv, group, layout):
-        self.conv, self.group, self.layout, self.packed = conv, group, layout, Packed(group)
-
-    def __call__(self, x, weight, bias=None, activation=None, seq_idx=None, **kwargs):
-        # x: [B, C, L]; weight: [C, K]
-        if self.packed.aside():  # an unsharded call: the model's own conv
-            return self.conv(x, weight, bias, activation=activation, seq_idx=seq_idx, **kwargs)
-        check_stateless((), seq_idx)
-        n, r, L = _group.world_size(self.group), _group.rank(self.group), x.shape[-1]
-        reach = weight.shape[-1] - 1
-        halo = gather_halo(x.transpose(1, 2), self.group, reach, layout=self.layout)  # [B, T, C]
-        windows = ShardPlan.of(self.layout, n, r, L).windows(reach)
-        first = self.packed.first_rows()
-        if first is None:
-            out = self.conv(halo.transpose(1, 2), weight, bias, activation=activation, **kwargs)  # [B, C, T]
-            kept = [out[:, :, w.own] for w in windows]  # [B, C, L/k] each
-        else:  # packed documents
-            x = halo.transpose(1, 2)  # [B, C, T]
-            kept = [conv_by_document(x[:, :, w.segment], weight, bias, w, first, activation) for w in windows]
-        return kept[0] if len(kept) == 1 else torch.cat(kept, dim=-1)  # [B, C, L]
-
-
-class ChunkState:
-    """The model's chunked kernel over each local chunk from the state the earlier chunks leave."""
-
-    def __init__(self, kernel, group, layout):
-        self.kernel, self.group, self.layout, self.packed = kernel, group, layout, Packed(group)
-
-    def __call__(
-        self, query, key, value, g, beta, *args, initial_state=None, output_final_state=False, **kwargs
-    ):
-        if self.packed.aside():  # an unsharded call: the model's own kernel
-            return self.kernel(
-                query, key, value, g, beta, *args, initial_state=initial_state,
-                output_final_state=output_final_state, **kwargs
-            )  # fmt: skip
-        # query, key: [B, L, Hk, dk]; value: [B, L, H, dv]; g: [B, L, H] or [B, L, H, dk]; beta: [B, L, H]
-        check_stateless(args, initial_state, output_final_state, kwargs.get("cu_seqlens"))
-        (B, L, H, dv), dk = value.shape, key.shape[-1]
-        # [B, H, dk, dv + dk]: zeros beside the identity, so the final state is [B | A]
-        start = torch.eye(dk, device=value.device).expand(B, H, dk, dk)
-        start = torch.cat([start.new_zeros(B, H, dk, dv), start], dim=-1)
-        first = self.packed.first_rows()
-
-        def chunk(w):
-            rows = w.queries
-            wide = torch.cat([value[:, rows], value.new_zeros(B, rows.stop - rows.start, H, dk)], dim=-1)
-
-            def run(b, part, state, rows=rows, wide=wide):  # rows `part` of the chunk, batch rows b
-                at = slice(rows.start + part.start, rows.start + part.stop)
-                return self.kernel(  # the kernel's float32 outputs: query given as float32
-                    query[b, at].float(),
-                    key[b, at],
-                    wide[b, part],  # [B, C, H, dv + dk]
-                    g=g[b, at],
-                    beta=beta[b, at],
-                    initial_state=state,
-                    output_final_state=True,
-                    **kwargs,
-                )
-
-            split = pieces(first, w.start, w.end)
-            if split is None:
-                out, final = run(slice(None), slice(0, w.end - w.start), start)
-            else:  # a piece after a document start runs from zero: no M, and A = 0 if it is the last
-                carried, runs = split
-                out, final = by_piece(
-                    lambda b, lo, hi, head, carried=carried, run=run: run(
-                        slice(b, b + 1),
-                        slice(lo, hi),
-                        start[b : b + 1] if head and carried[b, 0] else torch.zeros_like(start[b : b + 1]),
-                    ),
-                    runs,
-                    dim=1,
-                )
-            # out [B, C, H, dv + dk]: o_0 | M; final [B, H, dk, dv + dk]: B | A
-            return out, final[..., dv:], final[..., :dv]
-
-        def correct(o, state):  # state [B, H, dk, dv]: the one this chunk starts from
-            return o[..., :dv] + torch.einsum("bthk,bhkv->bthv", o[..., dv:], state)  # [B, C, H, dv]
-
-        out = over_chunks(self.group, self.layout, L, chunk, correct, dim=1)  # [B, L, H, dv]
-        return out.to(query.dtype), None
-
-
 KERNELS = {  # chunked kernel -> (the recurrence it computes, its CP version)
     "torch_chunk_gated_delta_rule": ("Gated DeltaNet", ChunkState),
     "chunk_kimi_delta_attention": ("Kimi Delta Attention", ChunkState),
     "mamba2_chunk_scan": ("Mamba2 (SSD)", MambaScan),
     "mamba_selective_scan": ("Mamba (selective scan)", SelectiveScan),
 }
+
+
+class Recurrence(NamedTuple):
+    """A kind of recurrent layer or causal conv the adapter makes CP."""
+
+    name: str
+    recognise: Callable  # (module) -> bool
+    apply: Callable  # (module, group, layout): made CP in place
+    path: str  # what its CP forward does (model.cp_transport_paths)
+    refusal: Callable | None = None  # (module) -> why it cannot be made exact, or None
+
+
+SHORT_CONV = "short convolution"
+CHUNKED = "its own forward, the conv over a halo of kernel - 1 inputs, the chunked kernel from the earlier "
+CHUNKED += "chunks' state (gather_state)"
+# the first that recognises a module is its kind (the order matters where two would)
+RECURRENCES = (
+    Recurrence(
+        "MiniMax lightning attention",
+        is_lightning,
+        _forward(LightningAttention),
+        "its block loop from zero per chunk, corrected by the earlier chunks' state (gather_state)",
+    ),
+    Recurrence(
+        "xLSTM's mLSTM",
+        is_mlstm,
+        _forward(MLSTMState),
+        "its own forward per chunk from zero (its map), then from the earlier chunks' state (gather_state) "
+        "and stabiliser (max-plus fold)",
+        check_mlstm,
+    ),
+    Recurrence(
+        "Zaya's CCA projection",
+        is_cca,
+        _forward(CCAHalo),
+        "its own forward per chunk over the K hidden states before it (a halo: its q/k convs and delayed "
+        "values)",
+    ),
+    Recurrence("RecurrentGemma's RG-LRU", is_griffin, _griffin, CHUNKED),
+    *(
+        Recurrence(
+            name, lambda module, kernel=kernel: kernel_of(module) == kernel, _rebound, CHUNKED, refusal
+        )
+        for kernel, (name, _) in KERNELS.items()
+    ),
+    Recurrence(
+        SHORT_CONV,
+        is_short_conv,
+        _rebound,
+        "its own forward, the conv over a halo of kernel - 1 inputs",
+        refusal,
+    ),
+)
