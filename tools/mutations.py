@@ -165,7 +165,7 @@ MUTATIONS = [
     ),
     Mutation(  # only 2 of the inputs check's 8 fields were ever made to differ
         "inputs_check_never_compares_position_ids",
-        "torch_impl/hf/inputs.py",
+        "torch_impl/hf/input_checks.py",
         '"position_ids": int(argument("position_ids") is not None),',
         '"position_ids": int(argument("attention_mask") is not None),',
         ("parity_tests/hf/test_hf_inputs.py", "-k", "different_inputs"),

@@ -76,7 +76,7 @@ def test_trl_trainers_not_made_exact_are_refused_in_init(name, monkeypatch):
     import trl
 
     from torch_impl import hf
-    from torch_impl.hf.trainer import check_trainer
+    from torch_impl.hf.trainer_checks import check_trainer
 
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     module, _, cls = name.rpartition(".")

@@ -1,6 +1,6 @@
 """The model's inputs under CP, as `shard_batch` (torch_impl.hf.batch) made them: the base model's
 forward pre-hook (`ModelInputs`: global positions, packed documents, DSA's context, the refusals
-and the cross-rank check)."""
+(torch_impl.hf.input_checks) and the cross-rank check)."""
 
 from functools import partial
 
@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from torch_impl import _group, validation
-from torch_impl.hf import media
+from torch_impl.hf import input_checks, media
 from torch_impl.hf._common import IMPLEMENTATION, INDEXED, LINEAR, RUNNING, SLIDING, Arguments, Aside, Context
-from torch_impl.hf.batch import BATCH_KEYS, LAYOUT, TYPE_KEYS
+from torch_impl.hf.batch import LAYOUT, TYPE_KEYS
 from torch_impl.hf.documents import creates_cache as _creates_cache
 from torch_impl.hf.indexed import IndexedContext
 from torch_impl.hf.masks import make_mask
@@ -94,22 +94,6 @@ def _documents(documents, chunks, chunk_len):
     return documents, None if chunks is None else Documents(chunks, reaches.pop(0))
 
 
-TEXT_INPUTS = {  # a hooked forward's parameters a text batch may pass; any other that is set is refused
-    *BATCH_KEYS,
-    "inputs_embeds",
-    "past_key_values",
-    "use_cache",
-    "cache_position",
-    "logits_to_keep",
-    "return_dict",
-    "output_attentions",
-    "output_hidden_states",
-    "self",
-    "args",
-    "kwargs",
-}
-
-
 class ModelInputs:
     """A forward pre-hook on the module that receives the model's inputs (its base model, and the
     decoder inside it where the model calls that directly: the first of them that runs in a
@@ -137,9 +121,10 @@ class ModelInputs:
       path steps aside for it and nothing is communicated. (A rank that calls with a shard while
       another calls without waits for it in the cross-rank check: call alike on every rank.)
     - with `validate` (parallelize's default), the ranks first compare their inputs in one
-      all-gather of a few integers (`signature`): ranks given different shapes or arguments, or
-      one whose own inputs were refused, raise ValueError on every rank instead of hanging or
-      returning inconsistent shards. Skipped inside torch.compile (it reads the result on the host).
+      all-gather of a few integers (`input_checks.signature`): ranks given different shapes or
+      arguments, or one whose own inputs were refused, raise ValueError on every rank instead of
+      hanging or returning inconsistent shards. Skipped inside torch.compile (it reads the result
+      on the host).
     """
 
     def __init__(
@@ -200,11 +185,12 @@ class ModelInputs:
 
     def refusal(self, module, argument, given):
         """Why this rank's sharded inputs cannot run (the layout `given` by shard_batch, the
-        refusals of check and check_text), or None; with `validate`, after the ranks compared
-        their inputs, so that every rank raises alike instead of one leaving the others waiting."""
+        refusals of input_checks' check and check_text), or None; with `validate`, after the ranks
+        compared their inputs, so that every rank raises alike instead of one leaving the others
+        waiting."""
         tokens, creates_cache = self.tokens(argument), _creates_cache(module, argument)
-        error = self.check(module, argument("past_key_values"), argument("attention_mask"))
-        error = error or self.check_text(module, argument)
+        error = input_checks.check(module, argument("past_key_values"), argument("attention_mask"))
+        error = error or input_checks.check_text(module, argument, self.arguments.names)
         if error is None and given != self.layout:
             error = (
                 f"`{IMPLEMENTATION}`: the batch was sharded with layout={given!r} but the model was "
@@ -212,7 +198,7 @@ class ModelInputs:
                 "hf.parallelize"
             )
         if self.validate and not torch.compiler.is_compiling():  # no rank left waiting
-            fields = self.signature(argument, tokens, creates_cache)
+            fields = input_checks.signature(argument, tokens, creates_cache)
             failed, differ = validation.compare_ranks(error is None, fields, tokens, self.group)
             if error is None and failed:
                 error = f"`{IMPLEMENTATION}`: CP ranks {failed} rejected their inputs"
@@ -289,79 +275,7 @@ class ModelInputs:
         context = Context(self.owner, self.group, shard, documents, chunks, padded, self.kinds, images)
         return context, positions, changes
 
-    @staticmethod
-    def signature(argument, tokens, creates_cache):
-        """What must be the same on every CP rank: the shard's shape, which inputs were passed, and
-        whether the model makes a cache (which decides whether packed positions are gathered)."""
-        embeds = argument("input_ids") is None
-        return {
-            "batch": tokens.shape[0],
-            "local tokens": tokens.shape[1],
-            "inputs_embeds": int(embeds),
-            "embedding width": tokens.shape[-1] if embeds else 0,
-            "attention_mask": int(argument("attention_mask") is not None),
-            "position_ids": int(argument("position_ids") is not None),
-            "past_key_values": int(argument("past_key_values") is not None),
-            "use_cache": int(creates_cache),
-        }
-
     def done(self, module, args, kwargs, output):
         """The forward hook (always called): the Context this forward's pre-hook set is unset."""
         if self.outer:
             RUNNING.context = self.outer.pop()
-
-    def check_text(self, module, argument):
-        """What is wrong with passing the hooked forward's other arguments, or None: under CP a
-        rank holds a shard of a text batch, and the adapter splits nothing else. A value the
-        model's config holds under the same name is a setting, not an input (LLaVA's and
-        Mistral 3's `vision_feature_layer`, which their forward's decorator fills in). Images and
-        videos, with their token types, are taken from the families torch_impl.hf.media verifies."""
-        given = media.given(argument, self.arguments.names)
-        if given:
-            error = media.refusal(module, argument, given)
-            if error:
-                return error
-        for name in self.arguments.names:
-            value = argument(name)
-            if name in TEXT_INPUTS or value is None or _config_setting(module, name, value):
-                continue
-            if given and name in (*media.MEDIA_KEYS, *TYPE_KEYS):
-                continue
-            if name in TYPE_KEYS:
-                return (
-                    f"`{IMPLEMENTATION}`: the model was given `{name}` directly; under CP pass it in the "
-                    "batch to hf.shard_batch, which shards it with the tokens"
-                )
-            return (
-                f"`{IMPLEMENTATION}`: the model was given `{name}`; under CP a rank takes its shard of a "
-                "text batch (input_ids or inputs_embeds, attention_mask, position_ids, labels) and the "
-                f"batch's images and videos {media.MEDIA_KEYS}: audio and other inputs are not split "
-                "across CP ranks"
-            )
-        return None
-
-    @staticmethod
-    def check(module, cache, mask):
-        """What is wrong with this rank's inputs, or None."""
-        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.ndim != 2):
-            return (
-                f"`{IMPLEMENTATION}`: `attention_mask` must be the 2-D padding mask [B, L]; custom 4-D masks "
-                "(or prepared mask dicts) cannot be split across CP ranks"
-            )
-        if cache is not None and cache.get_seq_length() > 0:
-            return (
-                f"`{IMPLEMENTATION}`: {type(module).__name__} was called with a KV cache holding tokens; "
-                "generation with a cache is not supported under CP"
-            )
-        return None
-
-
-def _config_setting(module, name, value):
-    """Whether `value`, passed to the hooked forward as `name`, is the model config's own `name`."""
-    if isinstance(value, torch.Tensor):
-        return False
-    setting = getattr(getattr(module, "config", None), name, _UNSET)
-    return setting is not _UNSET and setting == value
-
-
-_UNSET = object()

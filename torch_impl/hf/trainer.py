@@ -6,10 +6,11 @@
 The world (torchrun's processes) is dp x cp: ranks dp_index * cp .. dp_index * cp + cp - 1 are one
 data-parallel replica's CP ranks. Through the trainers' public methods only:
 
-1. `__init__` refuses what cannot be exact (on every rank, before any step), builds the (dp, cp)
-   DeviceMesh and makes the model CP over mesh["cp"] (`hf.parallelize`; a PEFT model's base model)
-   before the trainer wraps it (DDP, or accelerate's FSDP2 sharding over every process, dp x cp
-   flattened, as torchtitan shards over dp and cp).
+1. `__init__` refuses what cannot be exact (on every rank, before any step:
+   torch_impl.hf.trainer_checks), builds the (dp, cp) DeviceMesh and makes the model CP over
+   mesh["cp"] (`hf.parallelize`; a PEFT model's base model) before the trainer wraps it (DDP, or
+   accelerate's FSDP2 sharding over every process, dp x cp flattened, as torchtitan shards over dp
+   and cp).
 2. `get_train_dataloader` / `get_eval_dataloader`: the trainer's own loader, sharded by accelerate
    over dp replicas instead of over every process: a replica's CP ranks get the same rows.
 3. `get_cp_size`: every CP rank counts its replica's whole batch; the trainer sums its count over
@@ -39,39 +40,19 @@ import torch.nn.functional as F
 from torch_impl.hf import media, rl, whole_rows
 from torch_impl.hf.batch import BATCH_KEYS, IGNORE_INDEX, TYPE_KEYS, shard_batch
 from torch_impl.hf.parallelize import checkpoint_kwargs, parallelize
+from torch_impl.hf.trainer_checks import (
+    ROLLOUTS,
+    ROW_LOSSES,
+    WHOLE_ROWS,
+    check_trainer,
+    refuse_inexact,
+    rollout_config,
+    trl_trainer,
+)
 from torch_impl.layout import check as check_layout
 
 # keys TRL's padding-free collator adds for flash-attention kernels: position_ids carry the same
 DROPPED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
-# TRL's trainers whose loss is a function of values per row that every CP rank holds whole (a
-# reward model's pooled logits, torch_impl.hf.heads): each CP rank computes the replica's loss
-ROW_LOSSES = ("RewardTrainer",)
-# TRL's trainers whose own loss runs on whole rows, scored through the hooked fused LM head
-WHOLE_ROWS = whole_rows.TRAINERS
-# of those, the ones that generate their rows first: torch_impl.hf.rl
-ROLLOUTS = ("GRPOTrainer", "RLOOTrainer")
-SUPPORTED = ("SFTTrainer", *ROW_LOSSES, *WHOLE_ROWS)
-
-
-def _trl_trainer(cls):
-    """The TRL trainer class `cls` derives from (one of trl.trainer's or trl.experimental's), or None."""
-    return next((base for base in cls.__mro__ if base.__module__.startswith("trl.")), None)
-
-
-def check_trainer(cls):
-    """ValueError naming the trainer when `cls` (the class mixed with ContextParallelMixin) is one
-    of TRL's trainers other than those SUPPORTED: transformers' Trainer and SFTTrainer (a token
-    mean), RewardTrainer (pooled rows), DPOTrainer and KTOTrainer (whole rows), GRPOTrainer and
-    RLOOTrainer (rollouts) are the ones the mixin makes exact."""
-    trl = _trl_trainer(cls)
-    if trl is None or (trl.__module__.startswith("trl.trainer.") and trl.__name__ in SUPPORTED):
-        return
-    name = trl.__name__ if trl.__module__.startswith("trl.trainer.") else f"{trl.__module__}.{trl.__name__}"
-    raise ValueError(
-        f"ContextParallelMixin: TRL's {name} is not supported: the mixin was not made exact for its "
-        "loss, which each CP rank would compute from its own shard of the row; supported: "
-        f"transformers' Trainer and TRL's {', '.join(SUPPORTED)}"
-    )
 
 
 def _keep_collectives_in_checkpoints(model):
@@ -121,17 +102,17 @@ class ContextParallelMixin:
             raise ValueError(f"`cp_size` must be a positive int (CP ranks per replica), got {cp_size!r}")
         check_layout(cp_layout)
         check_trainer(type(self))  # before the trainer sets anything up
-        trl = _trl_trainer(type(self))
+        trl = trl_trainer(type(self))
         rollouts = trl is not None and trl.__name__ in ROLLOUTS
         if rollouts:
-            args, kwargs = self._rollout_config(trl.__name__, cp_size, args, kwargs)
+            args, kwargs = rollout_config(trl.__name__, cp_size, args, kwargs)
         super().__init__(*args, **kwargs)
         world = self.accelerator.num_processes
         if world % cp_size:
             raise ValueError(
                 f"`cp_size` ({cp_size}) must divide the number of processes ({world}): the world is dp x cp"
             )
-        self._refuse_inexact(type(self))
+        refuse_inexact(self)
         self.cp_size, self.cp_layout = cp_size, cp_layout
         self.cp_row_loss = trl is not None and trl.__name__ in ROW_LOSSES
         self.cp_whole_row_loss = trl is not None and trl.__name__ in WHOLE_ROWS
@@ -157,90 +138,6 @@ class ContextParallelMixin:
                 if scorer is not None:
                     self.cp_hooks += whole_rows.hook(self, self.accelerator.unwrap_model(scorer))
         _keep_collectives_in_checkpoints(self.model)
-
-    @staticmethod
-    def _rollout_config(name, cp_size, args, kwargs):
-        """GRPO's or RLOO's config (`args`, or its third positional argument), refused where it is not exact,
-        its generation batch counting the dp replicas' rows (torch_impl.hf.rl.replica_config)."""
-        positional = kwargs.get("args") is None and len(args) > 2
-        config = args[2] if positional else kwargs.get("args")
-        if config is None:
-            raise ValueError(
-                f"ContextParallelMixin: TRL's {name} needs its `args` passed: under CP its generation "
-                "batch is sized by the data-parallel replicas, not by the processes"
-            )
-        why = rl.refusal(config)
-        if why is not None:
-            raise ValueError(f"ContextParallelMixin: TRL's {name} with {why}")
-        config = rl.replica_config(config, cp_size)
-        if positional:
-            return (*args[:2], config, *args[3:]), kwargs
-        return args, kwargs | {"args": config}
-
-    def _refuse_inexact(self, cls):
-        """ValueError for what would not equal the dp-only run (the same on every rank)."""
-        config = getattr(self.accelerator, "parallelism_config", None)
-        for what in ("cp", "sp", "tp"):
-            if config is not None and getattr(config, f"{what}_enabled", False):
-                raise ValueError(
-                    f"ContextParallelMixin: accelerate's parallelism_config has {what} enabled; its CP "
-                    "replaces the models' masks by is_causal (sliding windows and documents lost): "
-                    "use one or the other"
-                )
-        if self.is_fsdp_enabled and not self.accelerator.is_fsdp2:
-            raise ValueError(
-                "ContextParallelMixin: FSDP1 is not supported (accelerate's FSDP2 is the one tested with "
-                "CP): pass fsdp_config={'fsdp_version': 2}"
-            )
-        if self.is_deepspeed_enabled:
-            raise ValueError(
-                "ContextParallelMixin: DeepSpeed through the trainer is not supported (its ZeRO engine is "
-                "not tested with CP: the test environment cannot install DeepSpeed without a CUDA build of "
-                "torch); shard with FSDP2 instead, fsdp=True, fsdp_config={'fsdp_version': 2}"
-            )
-        refused = {
-            "label_smoothing_factor > 0": self.args.label_smoothing_factor > 0,
-            "compute_loss_func": self.compute_loss_func is not None,
-            "compute_metrics": self.compute_metrics is not None,
-            "preprocess_logits_for_metrics": self.preprocess_logits_for_metrics is not None,
-        }
-        for name, present in refused.items():
-            if present:
-                raise ValueError(
-                    f"ContextParallelMixin: `{name}` is not supported: it would see each CP rank's slice "
-                    "of the sequence (its labels or logits), not the whole"
-                )
-        text = self.model.config.get_text_config()
-        aux = getattr(self, "aux_loss_enabled", None)  # TRL's switch; transformers': the model config's
-        if aux is None:
-            aux = getattr(text, "output_router_logits", False) and getattr(text, "router_aux_loss_coef", 0.0)
-        if aux:
-            raise ValueError(
-                "ContextParallelMixin: the MoE router's auxiliary loss would be each CP rank's own, a "
-                "load-balancing statistic of its slice's tokens, not of the sequence's: set "
-                "router_aux_loss_coef=0.0 (SFTConfig, or the model config with output_router_logits)"
-            )
-        trl = _trl_trainer(cls)
-        if trl is not None and trl.__name__ in WHOLE_ROWS:
-            why = rl.refusal(self.args, self) if trl.__name__ in ROLLOUTS else whole_rows.refusal(self)
-            if why is not None:
-                raise ValueError(f"ContextParallelMixin: TRL's {trl.__name__} with {why}")
-            return
-        if trl is not None and trl.__name__ in ROW_LOSSES:  # its loss reads the model's pooled logits
-            return
-        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT
-        if type(model).__name__.endswith("ForSequenceClassification"):
-            raise ValueError(
-                f"ContextParallelMixin: {type(model).__name__}: a sequence classification loss is made exact "
-                "under CP with TRL's RewardTrainer only (the mixin's other loss path is a causal LM's token "
-                "mean); use RewardTrainer, or hf.parallelize in your own loop (the model's loss is then each "
-                "rank's 1/n share)"
-            )
-        if not self.model_accepts_loss_kwargs:
-            raise ValueError(
-                "ContextParallelMixin: the model's forward takes no `num_items_in_batch`, so each CP "
-                "rank's loss would be its own slice's mean, not its share of the sequence's"
-            )
 
     # --- rows: every CP rank of a replica the same ----------------------------------------------
 
@@ -340,7 +237,7 @@ class ContextParallelMixin:
     def _generate_and_score_completions(self, inputs):
         if not self.cp_rollouts:
             return super()._generate_and_score_completions(inputs)
-        restated = rl.SCORED.get(_trl_trainer(type(self)).__name__)  # RLOO's: its sums inline
+        restated = rl.SCORED.get(trl_trainer(type(self)).__name__)  # RLOO's: its sums inline
         with rl.as_replicas(self):
             if restated is not None:
                 return restated(self, inputs)
