@@ -175,6 +175,11 @@ class Documents(NamedTuple):
 
     ids: torch.Tensor  # int [B, S] by global row: runs of equal ids, one per document
     reach: tuple | None  # per global chunk, document_reach(ids, C); None: unknown (inside torch.compile)
+    starts: torch.Tensor | None = None  # int64 [B, S]: document_starts(ids), where made once per forward
+
+    def first_rows(self) -> torch.Tensor:
+        """int64 [B, S] by global row: the first row of each token's document (`starts` where given)."""
+        return document_starts(self.ids) if self.starts is None else self.starts
 
     def layer_reach(self, window: int | None = None) -> int | tuple[int, ...] | None:
         """How far back a layer's chunks fetch (ShardPlan.windows' reach): for a window W, W - 1

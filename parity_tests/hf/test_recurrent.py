@@ -360,3 +360,27 @@ def test_a_chunk_is_cut_where_its_documents_begin():
     carried, runs = pieces(first[:1], 12, 16)
     assert carried.tolist() == [[False] * 4] and runs == [[(0, 4)]]
     assert pieces(first, 14, 20) is None and pieces(None, 0, 8) is None
+
+
+def test_the_documents_starts_are_found_once_per_forward(monkeypatch):
+    """Packed rows through Qwen3.5 on one rank (its two Gated DeltaNet layers keep each document
+    apart, as under CP): the documents' starts are computed once, when the forward's context is
+    made, and every layer reads them from it."""
+    from parity_tests.hf import hf_models
+    from torch_impl import hf, layout
+    from torch_impl.hf import documents, recurrent
+
+    model = hf_models.build("qwen3_5", dtype=torch.float32)
+    assert sum(recurrent.kernel_of(m) is not None for m in model.modules()) == 2
+    hf.parallelize(model, None)
+    calls, starts = [], layout.document_starts
+
+    def counted(ids):
+        calls.append(tuple(ids.shape))
+        return starts(ids)
+
+    monkeypatch.setattr(layout, "document_starts", counted)
+    monkeypatch.setattr(documents, "document_starts", counted)
+    batch = hf_models.make_packed_batch()
+    model(**batch, use_cache=False).loss.backward()  # (a cache would make it an unsharded call)
+    assert calls == [tuple(batch["input_ids"].shape)]

@@ -97,7 +97,8 @@ class OneRankDocuments:
         self.outer.append(current)
         if packed:
             (B, L) = tokens.shape[:2]
-            documents = Documents(packed_ids(positions.expand(B, -1)), None)
+            ids = packed_ids(positions.expand(B, -1))
+            documents = Documents(ids, None, document_starts(ids))  # their starts, once a forward
             shard = ShardPlan.of("contiguous", 1, 0, L)
             RUNNING.context = Context(self.owner, None, shard, documents, None, None, None)
         else:
@@ -155,7 +156,7 @@ class Packed:
             documents is not None and not torch.compiler.is_compiling()
         ):  # compiled, the recomputation is traced
             self.seen = True
-        return None if documents is None else document_starts(documents.ids)
+        return None if documents is None else documents.first_rows()
 
 
 # --- a recurrent layer's chunk in pieces, each document from zero ---------------------------------

@@ -36,7 +36,7 @@ from torch_impl.hf._common import (
     stepping_aside,
     window_rule,
 )
-from torch_impl.layout import ShardPlan, document_starts
+from torch_impl.layout import ShardPlan
 
 # attention classes whose log scaling (full layers, `log_scaling_n_floor` set) counts the local rows
 LOCAL_LOG_SCALING = ("InklingAttention",)
@@ -132,7 +132,7 @@ def _positions(context, device):
     rows = context.shard.rows(device)  # [L]
     if context.documents is None:
         return rows[None]
-    return rows - document_starts(context.documents.ids)[:, rows]  # [B, L]
+    return rows - context.documents.first_rows()[:, rows]  # [B, L]
 
 
 def is_token_conv(module):

@@ -14,7 +14,7 @@ from torch_impl.hf.batch import LAYOUT, TYPE_KEYS
 from torch_impl.hf.documents import creates_cache as _creates_cache
 from torch_impl.hf.indexed import IndexedContext
 from torch_impl.hf.masks import make_mask
-from torch_impl.layout import Documents, ShardPlan, packed_ids, reach_of
+from torch_impl.layout import Documents, ShardPlan, document_starts, packed_ids, reach_of
 from torch_impl.metadata import gather_metadata
 
 
@@ -81,7 +81,8 @@ def _documents(documents, chunks, chunk_len):
     is read (it would recompile for every batch): the ids with reach None (layers then take their
     windows' reach)."""
     if torch.compiler.is_compiling():
-        return tuple(None if t is None else Documents(t, None) for t in (documents, chunks))
+        documents = None if documents is None else Documents(documents, None, document_starts(documents))
+        return documents, None if chunks is None else Documents(chunks, None)
     given = [t for t in (documents, chunks) if t is not None]
     if not given:
         return None, None
@@ -90,7 +91,8 @@ def _documents(documents, chunks, chunk_len):
     n = (len(values) - len(restarts)) // len(given)  # chunks
     reaches = [tuple(values[i * n : (i + 1) * n]) for i in range(len(given))]
     if documents is not None:
-        documents = Documents(documents, reaches.pop(0)) if values[-1] else None
+        reach = reaches.pop(0)  # the documents' starts, once a forward: every recurrent layer reads them
+        documents = Documents(documents, reach, document_starts(documents)) if values[-1] else None
     return documents, None if chunks is None else Documents(chunks, reaches.pop(0))
 
 
