@@ -221,8 +221,8 @@ MUTATIONS += [
     Mutation(  # packed rows' layers fetch their whole window or prefix: exact, but more bytes
         "packed_rows_ignore_the_documents_reach",
         "torch_impl/hf/inputs.py",
-        "documents = Documents(documents, reaches.pop(0)) if values[-1] else None",
-        "documents = Documents(documents, (reaches.pop(0), None)[1]) if values[-1] else None",
+        "Documents(documents, reaches.pop(0), document_starts(documents)) if values[-1] else None",
+        "Documents(documents, (reaches.pop(0), None)[1], document_starts(documents)) if values[-1] else None",
         ("parity_tests/hf/test_hf.py", "-k", "packed_rows_move_only"),
     ),
     Mutation(
@@ -503,8 +503,8 @@ MUTATIONS += [
     Mutation(  # a kernel package behind transformers' dispatcher taken for its PyTorch function
         "kernel_package_not_refused",
         "torch_impl/hf/rebind.py",
-        'if not found.get("is_new_implementation"):',
-        "if True:",
+        'if found.get("is_new_implementation"):',
+        "if False:",
         ("parity_tests/hf/test_rebind.py",),
     ),
     Mutation(  # packed rows: a Gated DeltaNet document's state not reset where it starts

@@ -126,6 +126,7 @@ def test_a_kernel_package_behind_transformers_dispatcher_is_refused(
     dispatcher = use_kernel_func_from_hub_with_fallback(name, package)(torch_function)
     monkeypatch.setitem(scope, global_name, dispatcher)
     assert rebind.kernel_package(dispatcher) == distribution
+    assert rebind.kernel_package(functools.wraps(dispatcher)(lambda *a: dispatcher(*a))) == distribution
     with pytest.raises(
         ValueError, match=f"calls `{global_name}`, which transformers dispatches to {distribution}"
     ):

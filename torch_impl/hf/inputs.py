@@ -90,9 +90,8 @@ def _documents(documents, chunks, chunk_len):
     values = torch.cat([reach_of(t, chunk_len) for t in given] + restarts).tolist()  # the one read
     n = (len(values) - len(restarts)) // len(given)  # chunks
     reaches = [tuple(values[i * n : (i + 1) * n]) for i in range(len(given))]
-    if documents is not None:
-        reach = reaches.pop(0)  # the documents' starts, once a forward: every recurrent layer reads them
-        documents = Documents(documents, reach, document_starts(documents)) if values[-1] else None
+    if documents is not None:  # with their starts, once a forward: every recurrent layer reads them
+        documents = Documents(documents, reaches.pop(0), document_starts(documents)) if values[-1] else None
     return documents, None if chunks is None else Documents(chunks, reaches.pop(0))
 
 

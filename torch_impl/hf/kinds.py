@@ -4,7 +4,6 @@ short convs, token-dependent convs and PLE layers, recurrences; each module's ki
 `_check_configs` refuses what the configs say that the walk cannot see. torch_impl.hf.parallelize
 then makes each kind CP."""
 
-import inspect
 import re
 import sys
 
@@ -15,8 +14,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from torch_impl.hf._common import INDEXED, LINEAR, SLIDING
 from torch_impl.hf.attention import AttentionSetup, temperature_scale
-from torch_impl.hf.block_sparse import BLOCK_SPARSE, is_block_sparse
-from torch_impl.hf.compressed import COMPRESSED, is_compressor
+from torch_impl.hf.attention_kinds import attention_kind, layer_type
+from torch_impl.hf.block_sparse import BLOCK_SPARSE
+from torch_impl.hf.compressed import COMPRESSED
 from torch_impl.hf.inkling import is_relative, is_token_conv
 from torch_impl.hf.ple import is_ple
 from torch_impl.hf.recurrent import CONV, KERNELS, is_known, is_short_conv, recurrence_of, refusal
@@ -95,15 +95,6 @@ def _check_configs(model, towers, allowed=()):
             raise refuse(name, module, f"mixes {INDEXED!r} layers with {others}")
 
 
-def layer_type(module):
-    """The config's type for a module that knows its layer index (e.g. 'sliding_attention'), else None."""
-    types, index = (
-        getattr(getattr(module, "config", None), "layer_types", None),
-        getattr(module, "layer_idx", None),
-    )
-    return types[index] if types and isinstance(index, int) and 0 <= index < len(types) else None
-
-
 def _kind(name, module, family=""):
     """'attention', 'short_conv', 'token_conv' (Inkling2's, Qwen4's PLE), 'recurrent', or None for a
     module that mixes no tokens itself; ValueError for a module that mixes them in a way CP cannot
@@ -147,67 +138,11 @@ def _kind(name, module, family=""):
     return None
 
 
-def is_qsa(module):
-    """Qwen4's QSA layer: no MLA, an indexer that pools the keys a query sees into blocks of
-    `compress_ratio` and keeps the `token_budget // compress_ratio` best blocks and the incomplete
-    last one, with the forward QSAIndexer calls."""
-    indexer = getattr(module, "indexer", None)
-    if callable(getattr(module, "expand_kv", None)) or indexer is None:
-        return False
-    names = list(inspect.signature(indexer.forward).parameters)
-    wanted = ["hidden_states", "position_embeddings", "attention_mask", "past_key_values"]
-    return names == wanted and hasattr(indexer, "compress_ratio") and hasattr(indexer, "token_budget")
-
-
-def _check_indexed(name, module):
-    """An indexed_attention layer is DeepSeek V3.2's / GLM-5's: MLA latents expanded by `expand_kv`
-    through a `kv_b_proj` without bias (absorbed exactly), an indexer (or, GLM-5's shared layers,
-    the previous layer's indices) with the forward the adapter calls, no attention dropout; or
-    Qwen4's QSA (`is_qsa`)."""
-    if is_qsa(module):
-        return
-    if not callable(getattr(module, "expand_kv", None)) or not hasattr(module, "indexer"):
-        raise refuse(
-            name, module, f"is an {INDEXED!r} layer without MLA's expand_kv and an indexer, nor Qwen4's QSA"
-        )
-    projection = getattr(module, "kv_b_proj", None)
-    nope_dim = getattr(module, "qk_nope_head_dim", None)
-    if not isinstance(projection, nn.Linear) or projection.bias is not None or nope_dim is None:
-        raise refuse(
-            name,
-            module,
-            f"is an {INDEXED!r} layer whose latents are not expanded by a `kv_b_proj` Linear without bias "
-            "(with `qk_nope_head_dim`): the absorbed attention could not reproduce it",
-        )
-    if module.indexer is not None:
-        names = list(inspect.signature(module.indexer.forward).parameters)[:6]
-        expected = ["hidden_states", "q_resid", "position_embeddings", "attention_mask", "position_ids"]
-        if names[:5] != expected or "past_key_values" not in names:
-            raise refuse(name, module, f"has an indexer whose forward takes {names}, not {expected}")
-    if getattr(module.config, "attention_dropout", 0.0) > 0:
-        raise refuse(name, module, f"is an {INDEXED!r} layer with attention dropout, which is not supported")
-
-
 def _attention_setup(name, module, group, layout, dense=False):
-    if layer_type(module) == INDEXED:
-        _check_indexed(name, module)
-    if layer_type(module) in COMPRESSED and not is_compressor(getattr(module, "compressor", None)):
-        raise refuse(
-            name,
-            module,
-            f"is a {layer_type(module)!r} layer without DeepSeek V4's compressor (its forward and "
-            "cache calls)",
-        )
-    if layer_type(module) == BLOCK_SPARSE:
-        if not is_block_sparse(module):
-            raise refuse(name, module, f"is a {BLOCK_SPARSE!r} layer without MiniMax-M3's indexer")
-        if module.indexer.local_blocks > module.indexer.topk_blocks:  # ties among its kept blocks
-            raise refuse(
-                name,
-                module,
-                "keeps more local blocks than its top-k: they tie (+inf), and top-k's choice among them "
-                "depends on how many keys it scores",
-            )
+    kind = attention_kind(module)
+    why = kind.refusal(module) if kind is not None else None
+    if why:
+        raise refuse(name, module, why)
     implementation = module.config._attn_implementation
     if implementation == "sdpa":
         attend = ALL_ATTENTION_FUNCTIONS["sdpa"]

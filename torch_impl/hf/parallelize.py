@@ -13,14 +13,14 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from torch_impl import _group
 from torch_impl.hf._common import IMPLEMENTATION, INDEXED, RUNNING, SLIDING, in_context, mix
-from torch_impl.hf.block_sparse import BLOCK_SPARSE, BlockIndexer
-from torch_impl.hf.compressed import COMPRESSED, CompressedEntries
+from torch_impl.hf.attention_kinds import attention_kind, layer_type
+from torch_impl.hf.block_sparse import BLOCK_SPARSE
+from torch_impl.hf.compressed import COMPRESSED
 from torch_impl.hf.documents import OneRankDocuments, Packed, isolates_documents
 from torch_impl.hf.heads import apply_head, check_head
-from torch_impl.hf.indexed import AbsorbedMLA, BlockedIndexer, QSAIndexer
-from torch_impl.hf.inkling import RelativeTable, TokenConvHalo, is_relative, is_token_conv
+from torch_impl.hf.inkling import TokenConvHalo, is_token_conv
 from torch_impl.hf.inputs import MaskCountPositions, ModelInputs, PaddingIndexPositions, Positions
-from torch_impl.hf.kinds import HYBRID, SHORT_CONVS, is_qsa, layer_type, refuse, walk
+from torch_impl.hf.kinds import HYBRID, SHORT_CONVS, refuse, walk
 from torch_impl.hf.ple import PLEHalo, is_ple
 from torch_impl.hf.recurrent import apply_recurrent, is_known, is_short_conv, refusal
 from torch_impl.layout import check as check_layout
@@ -43,26 +43,10 @@ def apply_attention(decoder, attentions):
         dropout = getattr(module.config, "attention_dropout", 0.0)
         if fallback is None and dropout > 0:  # the fused math applies no dropout
             paths[kind] += f"; in train mode a dense [L, T] mask (attention dropout {dropout})"
-        if is_relative(module):
-            paths[kind] = "relative logits by global distance; the model's attention per block of queries "
-            paths[kind] += "on a dense [block, T] mask"
-            mix(module.rel_logits_proj, RelativeTable)
-        elif kind == BLOCK_SPARSE:
-            paths[kind] = "its indexer per chunk over every rank's index keys; the model's block mask, "
-            paths[kind] += "dense [L, T] per head"
-            mix(module.indexer, BlockIndexer)
-        elif kind in COMPRESSED:
-            paths[kind] = "each rank's windows compressed, the entries gathered; the sliding window's keys "
-            paths[kind] += "and the entries on a dense [L, T] mask"
-            mix(module.compressor, CompressedEntries)
-        elif kind == INDEXED and is_qsa(module):
-            paths[kind] = "QSA indexer per chunk over the causal prefix's keys; its picks a dense [L, T] mask"
-            mix(module.indexer, QSAIndexer)
-        elif kind == INDEXED:
-            paths[kind] = "blocked indexer, absorbed sparse attention over the causal prefix's latents"
-            mix(module, AbsorbedMLA)
-            if module.indexer is not None:
-                mix(module.indexer, BlockedIndexer)
+        special = attention_kind(module)
+        if special is not None:
+            paths[kind] = special.path
+            special.apply(module)
     decoder.set_attn_implementation({"": IMPLEMENTATION})
     return paths
 

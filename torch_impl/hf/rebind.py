@@ -15,6 +15,7 @@ versions; nothing global changes. Guarded:
 """
 
 import dis
+import functools
 import inspect
 import types
 
@@ -22,22 +23,31 @@ import types
 DISTRIBUTIONS = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d", "mamba_ssm": "mamba-ssm"}
 
 
-def global_loads(function) -> set:
+def global_loads(function) -> frozenset:
     """The global names `function`'s innermost code loads (LOAD_GLOBAL), under its decorators."""
     code = getattr(inspect.unwrap(function), "__code__", None)
-    return {i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"} if code else set()
+    return _loads(code) if code is not None else frozenset()
+
+
+@functools.cache
+def _loads(code) -> frozenset:
+    return frozenset(i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL")
 
 
 def kernel_package(function) -> str | None:
     """The package (its distribution's name) whose kernel `function`, a transformers kernel
-    dispatcher, calls in place of its own PyTorch function because the package is installed; None
-    where it calls the PyTorch function, or `function` dispatches nothing."""
-    if not isinstance(function, types.FunctionType) or not hasattr(function, "__wrapped__"):
-        return None
-    found = inspect.getclosurevars(function).nonlocals
-    if not found.get("is_new_implementation"):
-        return None
-    return DISTRIBUTIONS.get(found.get("package"), found.get("package") or "an installed package")
+    dispatcher (or a function wrapping one), calls in place of its own PyTorch function because
+    the package is installed; None where it calls the PyTorch function, or dispatches nothing."""
+    while isinstance(function, types.FunctionType) and hasattr(function, "__wrapped__"):
+        try:
+            found = inspect.getclosurevars(function).nonlocals
+        except ValueError:  # an empty cell: a wrapper still being built, not a dispatcher
+            found = {}
+        if found.get("is_new_implementation"):
+            package = found.get("package")
+            return DISTRIBUTIONS.get(package, package or "an installed package")
+        function = function.__wrapped__
+    return None
 
 
 def _holds(cell, function) -> bool:

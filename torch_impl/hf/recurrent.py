@@ -144,7 +144,9 @@ def _replaced(module) -> list:
     """The global names a conv's or chunked recurrence's forward runs with replaced: its conv, its
     chunked kernel, the fused kernels it tries first."""
     kernel, loads = kernel_of(module), global_loads(type(module).forward)
-    return [CONV, *([kernel] if kernel is not None else []), *(name for name in FUSED if name in loads)]
+    scope = inspect.unwrap(type(module).forward).__globals__
+    fused = [name for name in FUSED if name in loads and scope.get(name) is not None]
+    return [CONV, *([kernel] if kernel is not None else []), *fused]
 
 
 def _cp_functions(module, group, layout) -> dict:
