@@ -2,7 +2,9 @@
 `walk` goes over the model once before anything changes (its attention modules with their setups,
 short convs, token-dependent convs and PLE layers, recurrences; each module's kind from `_kind`) and
 `_check_configs` refuses what the configs say that the walk cannot see. torch_impl.hf.parallelize
-then makes each kind CP."""
+then makes each kind CP, as its table says: TOKEN_CONVS here (the token-dependent convs),
+torch_impl.hf.recurrent.RECURRENCES (recurrences and short convs) and
+torch_impl.hf.attention_kinds.ATTENTIONS (attention layers with parts of their own)."""
 
 import re
 import sys
@@ -12,14 +14,15 @@ from transformers import PreTrainedConfig
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from torch_impl.hf._common import INDEXED, LINEAR, SLIDING
+from torch_impl.hf._common import INDEXED, LINEAR, SLIDING, mix
 from torch_impl.hf.attention import AttentionSetup, temperature_scale
 from torch_impl.hf.attention_kinds import attention_kind, layer_type
 from torch_impl.hf.block_sparse import BLOCK_SPARSE
 from torch_impl.hf.compressed import COMPRESSED
-from torch_impl.hf.inkling import is_relative, is_token_conv
-from torch_impl.hf.ple import is_ple
-from torch_impl.hf.recurrent import CONV, KERNELS, is_known, is_short_conv, recurrence_of, refusal
+from torch_impl.hf.documents import Packed
+from torch_impl.hf.inkling import TokenConvHalo, is_relative, is_token_conv
+from torch_impl.hf.ple import PLEHalo, is_ple
+from torch_impl.hf.recurrent import CONV, KERNELS, Recurrence, is_known, is_short_conv, recurrence_of, refusal
 
 SUPPORTED_LAYER_TYPES = (
     "full_attention",
@@ -57,6 +60,40 @@ REFUSED_ATTENTION = {
 RECURRENT_LAYER_TYPES = ("mamba", "mamba2", "recurrent")
 RECURRENCE = "carries recurrent state along the sequence, which CP cannot split exactly"
 TOWERS = re.compile(r"vision|audio|image|video|speech|visual|vq")  # sub-configs of non-text encoders
+
+
+def _mixed(cls):
+    """Making a module CP by mixing `cls` (its own forward per local chunk) into its class, with the
+    forward's packed documents and the layout."""
+
+    def apply(module, group, layout):
+        mix(module, cls).cp_packed = Packed(group)
+        module.cp_layout = layout
+
+    return apply
+
+
+# the token-dependent convs, each run per chunk over the rows before it (the walk's "token_conv")
+TOKEN_CONVS = (
+    Recurrence(
+        "Qwen4's per-layer embeddings",
+        is_ple,
+        _mixed(PLEHalo),
+        "its own forward per chunk over the (kernel - 1) * dilation rows before it, given the n-grams' ids "
+        "before those",
+    ),
+    Recurrence(
+        "Inkling2's token-dependent conv",
+        is_token_conv,
+        _mixed(TokenConvHalo),
+        "its own forward per chunk over a halo of kernel - 1 inputs",
+    ),
+)
+
+
+def token_conv_of(module):
+    """The first TOKEN_CONVS kind that recognises `module`, else None."""
+    return next((kind for kind in TOKEN_CONVS if kind.recognise(module)), None)
 
 
 def _unsupported(layer_types):
@@ -118,7 +155,7 @@ def _kind(name, module, family=""):
         if refusal(module):
             raise refuse(name, module, refusal(module))
         return "short_conv"
-    if is_token_conv(module) or is_ple(module):
+    if token_conv_of(module) is not None:
         return "token_conv"
     if is_known(module):
         kind = recurrence_of(module)

@@ -12,16 +12,14 @@ from transformers import PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from torch_impl import _group
-from torch_impl.hf._common import IMPLEMENTATION, INDEXED, RUNNING, SLIDING, in_context, mix
+from torch_impl.hf._common import IMPLEMENTATION, INDEXED, RUNNING, SLIDING, in_context
 from torch_impl.hf.attention_kinds import attention_kind, layer_type
 from torch_impl.hf.block_sparse import BLOCK_SPARSE
 from torch_impl.hf.compressed import COMPRESSED
-from torch_impl.hf.documents import OneRankDocuments, Packed, isolates_documents
+from torch_impl.hf.documents import OneRankDocuments, isolates_documents
 from torch_impl.hf.heads import apply_head, check_head
-from torch_impl.hf.inkling import TokenConvHalo, is_token_conv
 from torch_impl.hf.inputs import MaskCountPositions, ModelInputs, PaddingIndexPositions, Positions
-from torch_impl.hf.kinds import HYBRID, SHORT_CONVS, refuse, walk
-from torch_impl.hf.ple import PLEHalo, is_ple
+from torch_impl.hf.kinds import HYBRID, SHORT_CONVS, refuse, token_conv_of, walk
 from torch_impl.hf.recurrent import apply_recurrent, is_known, is_short_conv, refusal
 from torch_impl.layout import check as check_layout
 
@@ -128,20 +126,14 @@ def apply_inputs(model, decoder, hooked, group, validate, layout="contiguous", i
 
 
 def apply_token_conv(convs, group, layout="contiguous"):
-    """Every token-dependent short conv (Inkling2's) runs its own forward per chunk over a halo of
-    kernel - 1 inputs (torch_impl.hf.inkling.TokenConvHalo), every PLE layer (Qwen4's) over the
-    rows its dilated conv reads, given the ids its n-grams read (torch_impl.hf.ple.PLEHalo).
-    Returns which path they take."""
+    """Every token-dependent conv made CP as its kind in torch_impl.hf.kinds.TOKEN_CONVS says
+    (Inkling2's over a halo of kernel - 1 inputs, Qwen4's PLE over the rows its dilated conv reads,
+    given the ids its n-grams read). Returns which path they take."""
     paths = {}
     for module in convs:
-        if is_ple(module):
-            path = "its own forward per chunk over the (kernel - 1) * dilation rows before it, given "
-            path += "the n-grams' ids before those"
-        else:
-            path = "its own forward per chunk over a halo of kernel - 1 inputs"
-        mix(module, PLEHalo if is_ple(module) else TokenConvHalo).cp_packed = Packed(group)
-        module.cp_layout = layout
-        paths[type(module).__name__] = path
+        kind = token_conv_of(module)
+        kind.apply(module, group, layout)
+        paths[type(module).__name__] = kind.path
     return paths
 
 
@@ -232,7 +224,7 @@ def _one_rank(model, isolates):
         for module in decoder.modules()
         if is_known(module) or type(module).__name__ in SHORT_CONVS and is_short_conv(module)
     ]
-    token_convs = [module for module in decoder.modules() if is_token_conv(module) or is_ple(module)]
+    token_convs = [module for module in decoder.modules() if token_conv_of(module) is not None]
     hooked = list(dict.fromkeys([model.base_model, decoder]))
     if not (linear or token_convs) or not (isolates_documents(hooked) if isolates is None else isolates):
         return model
