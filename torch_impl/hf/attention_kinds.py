@@ -91,13 +91,13 @@ class AttentionKind(NamedTuple):
     function."""
 
     recognise: Callable  # (module, its layer type) -> bool
-    refusal: Callable  # (module) -> why CP cannot make it exact, or None
     apply: Callable  # (module): its parts' CP classes mixed in
     path: str  # what its CP forward does (model.cp_transport_paths)
+    refusal: Callable | None = None  # (module) -> why CP cannot make it exact, or None
 
-
-def _never(module):
-    return None
+    def why(self, module) -> str | None:
+        """Why `module`, of this kind, cannot be made exact; None where it can."""
+        return self.refusal(module) if self.refusal is not None else None
 
 
 # the first that recognises a module is its kind; any other attention layer takes the registered
@@ -105,35 +105,33 @@ def _never(module):
 ATTENTIONS = (
     AttentionKind(  # Inkling's (torch_impl.hf.inkling)
         lambda module, typed: is_relative(module) and typed not in (BLOCK_SPARSE, INDEXED, *COMPRESSED),
-        _never,
         lambda module: mix(module.rel_logits_proj, RelativeTable),
         "relative logits by global distance; the model's attention per block of queries on a dense "
         "[block, T] mask",
     ),
     AttentionKind(  # MiniMax-M3's (torch_impl.hf.block_sparse)
         lambda module, typed: typed == BLOCK_SPARSE,
-        _block_sparse_refusal,
         lambda module: mix(module.indexer, BlockIndexer),
         "its indexer per chunk over every rank's index keys; the model's block mask, dense [L, T] per head",
+        refusal=_block_sparse_refusal,
     ),
     AttentionKind(  # DeepSeek V4's CSA and HCA (torch_impl.hf.compressed)
         lambda module, typed: typed in COMPRESSED,
-        _compressed_refusal,
         lambda module: mix(module.compressor, CompressedEntries),
         "each rank's windows compressed, the entries gathered; the sliding window's keys and the entries "
         "on a dense [L, T] mask",
+        refusal=_compressed_refusal,
     ),
     AttentionKind(  # Qwen4's QSA (torch_impl.hf.indexed)
         lambda module, typed: typed == INDEXED and is_qsa(module),
-        _never,
         lambda module: mix(module.indexer, QSAIndexer),
         "QSA indexer per chunk over the causal prefix's keys; its picks a dense [L, T] mask",
     ),
     AttentionKind(  # DeepSeek Sparse Attention (torch_impl.hf.indexed)
         lambda module, typed: typed == INDEXED,
-        _indexed_refusal,
         _absorbed,
         "blocked indexer, absorbed sparse attention over the causal prefix's latents",
+        refusal=_indexed_refusal,
     ),
 )
 

@@ -22,7 +22,7 @@ from torch_impl.hf.compressed import COMPRESSED
 from torch_impl.hf.documents import Packed
 from torch_impl.hf.inkling import TokenConvHalo, is_relative, is_token_conv
 from torch_impl.hf.ple import PLEHalo, is_ple
-from torch_impl.hf.recurrent import CONV, KERNELS, Recurrence, is_known, is_short_conv, recurrence_of, refusal
+from torch_impl.hf.recurrent import CONV, KERNELS, Recurrence, is_known, is_short_conv, recurrence_of
 
 SUPPORTED_LAYER_TYPES = (
     "full_attention",
@@ -152,16 +152,14 @@ def _kind(name, module, family=""):
     if type(module).__name__ in SHORT_CONVS:
         if not is_short_conv(module):
             raise refuse(name, module, f"does not call `{CONV}` over its own depthwise `conv`")
-        if refusal(module):
-            raise refuse(name, module, refusal(module))
+        if recurrence_of(module).why(module):
+            raise refuse(name, module, recurrence_of(module).why(module))
         return "short_conv"
     if token_conv_of(module) is not None:
         return "token_conv"
     if is_known(module):
-        kind = recurrence_of(module)
-        why = kind.refusal(module) if kind.refusal is not None else None
-        if why:
-            raise refuse(name, module, why)
+        if recurrence_of(module).why(module):
+            raise refuse(name, module, recurrence_of(module).why(module))
         return "recurrent"
     name_ = type(module).__name__
     if (
@@ -177,9 +175,8 @@ def _kind(name, module, family=""):
 
 def _attention_setup(name, module, group, layout, dense=False):
     kind = attention_kind(module)
-    why = kind.refusal(module) if kind is not None else None
-    if why:
-        raise refuse(name, module, why)
+    if kind is not None and kind.why(module):
+        raise refuse(name, module, kind.why(module))
     implementation = module.config._attn_implementation
     if implementation == "sdpa":
         attend = ALL_ATTENTION_FUNCTIONS["sdpa"]

@@ -204,6 +204,10 @@ class Recurrence(NamedTuple):
     path: str  # what its CP forward does (model.cp_transport_paths)
     refusal: Callable | None = None  # (module) -> why it cannot be made exact, or None
 
+    def why(self, module) -> str | None:
+        """Why `module`, of this kind, cannot be made exact; None where it can."""
+        return self.refusal(module) if self.refusal is not None else None
+
 
 SHORT_CONV = "short convolution"
 CHUNKED = "its own forward, the conv over a halo of kernel - 1 inputs, the chunked kernel from the earlier "
