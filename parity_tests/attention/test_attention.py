@@ -312,6 +312,57 @@ def test_tile_plan_skips_tiles_across_documents(L, h, window):
         assert covered.max() <= 1 and torch.equal(covered.bool() & visible, visible)
 
 
+@pytest.mark.parametrize("L,h,block", [(1, 0, 4), (16, 0, 4), (16, 5, 4), (13, 47, 4), (16, 5, 16)])
+def test_spans_from_the_callers_starts_are_the_ids_scan(L, h, block):
+    """Packed rows whose keys begin mid-row (documents cut off before the first key): the spans
+    planned from each query's document start by global row (what the hf context finds once a
+    forward over the whole rows) are those found by scanning the keys' ids."""
+    from torch_impl.layout import document_starts
+
+    for seed in range(4):
+        ids = packed_documents(2, 20 + h + L, seed)  # [B, S]: the whole rows
+        k_start = 20
+        starts = document_starts(ids)[:, k_start + h :]  # [B, L]: global rows
+        keys = ids[:, k_start:]  # [B, T]
+        scanned = attention.plan.document_spans(keys, L, block)
+        assert attention.plan.document_spans(keys, L, block, starts - k_start) == scanned, seed
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_document_starts_give_the_same_attention_and_scan_no_ids(monkeypatch, window, small_tiles):
+    """causal_attention handed its queries' document starts: the same output and gradients, bit for
+    bit (the same plan), forward and backward without scanning the ids."""
+    from torch_impl.attention import plan
+    from torch_impl.layout import document_starts
+
+    B, L, T, k_start = 2, 16, 40, 7
+    ids = packed_documents(B, k_start + T, 1)  # [B, S]
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randint(-2, 3, (B, 4, L, 8), generator=gen).double()
+    k, v = (torch.randint(-2, 3, (B, 2, T, 8), generator=gen).double() for _ in range(2))
+    cotangent = torch.randint(-2, 3, (B, 4, L, 8), generator=gen).double()
+    starts = document_starts(ids)[:, -L:]  # [B, L]: by global row
+    scans, scan = [], plan.document_starts
+    monkeypatch.setattr(plan, "document_starts", lambda t: scans.append(1) or scan(t))
+    results = []
+    for given in (None, starts):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attention.causal_attention(
+            *leaves,
+            k_start + T - L,
+            k_start,
+            window=window,
+            documents=ids[:, k_start:],
+            document_starts=given,
+        )
+        out.backward(cotangent)
+        results.append([out.detach()] + [t.grad for t in leaves])
+        assert len(scans) == (2 if given is None else 0), len(scans)  # forward and backward
+        scans.clear()
+    for scanned, planned in zip(*results, strict=True):
+        assert torch.equal(scanned, planned)
+
+
 def test_a_skipped_tile_is_never_computed():
     """The fused CPU op sees only the planned tiles' keys, forward and backward: on packed rows
     whose queries' documents start late, a fraction of the unskipped plan's, and exact."""
@@ -381,6 +432,14 @@ def test_bad_arguments_raise_value_error():
         attention.causal_attention(q, k, k, 4, 0, softcap=0.0)
     with pytest.raises(ValueError, match=r"`sinks` must be \[H\] = \(4,\), one logit per query head"):
         attention.causal_attention(q, k, k, 4, 0, sinks=torch.zeros(2))
+    ids = torch.zeros(1, 12, dtype=torch.long)
+    with pytest.raises(
+        ValueError, match=r"`document_starts` must be integer \[B, L\] = \(1, 8\).*without documents"
+    ):
+        attention.causal_attention(q, k, k, 4, 0, document_starts=torch.zeros(1, 8, dtype=torch.long))
+    for starts in (torch.zeros(1, 12, dtype=torch.long), torch.zeros(1, 8)):
+        with pytest.raises(ValueError, match=r"`document_starts` must be integer \[B, L\] = \(1, 8\)"):
+            attention.causal_attention(q, k, k, 4, 0, documents=ids, document_starts=starts)
 
 
 def test_kernel_table():
@@ -398,7 +457,7 @@ def test_the_cuda_rule_runs_through_flex_attention_forward_on_cpu():
     q, k, v, docs, pad = make_inputs(24, 47, 2, 4, 2, True, True, seed=3, dtype=torch.float32)
     q, k, v = (t.detach() for t in (q, k, v))
     for softcap in (None, 2.0):
-        out = kernels._KERNELS["flex"](q, k, v, 1000, 953, 48, 0.25, docs, pad, softcap, None)
+        out = kernels._KERNELS["flex"](q, k, v, 1000, 953, 48, 0.25, docs, pad, softcap, None, None)
         ref = brute_force(q.double(), k.double(), v.double(), 1000, 953, 48, 0.25, docs, pad, softcap)
         # integer inputs, exact scores: float32 rounds the softmax's two sums of T = 71 terms; a
         # capped score also its 3 roundings of up to the cap (2), which each weight's exp carries

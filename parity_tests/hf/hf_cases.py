@@ -11,6 +11,7 @@ from parity_tests.hf import hf_models, zoo_cases
 from parity_tests.hf.hf_reference import float64_steps
 import torch_impl
 from torch_impl import hf
+from torch_impl.attention import plan as tile_plan
 from torch_impl.hf import attention as hf_attention
 from torch_impl.hf.indexed import BlockedIndexer
 from torch_impl.layout import ShardPlan
@@ -38,7 +39,8 @@ def cp_step(
     option (every attention layer on the model's own math); more: parallelize's other options.
     Returns logits, loss, every parameter's grad (this rank's partial sum), which math each
     attention layer took (`paths`: None for torch_impl.attention, else why it kept the dense mask)
-    and how many calls reached torch_impl.attention, and in eval mode the bytes received per
+    and how many calls reached torch_impl.attention (and how many times the CPU tiles scanned
+    document ids for their starts: `id_scans`), and in eval mode the bytes received per
     (direction, layer) and dtype, counted at the c10d calls, and the calls per (direction, layer).
     """
     model = hf_models.build(name, getattr(torch, dtype))
@@ -63,9 +65,11 @@ def cp_step(
         tag_layers(counter, model.model.layers)
         counter.tag = ("forward", "inputs")  # before the first layer: the model's inputs (positions)
     fused = CallCounter(hf_attention, "causal_attention")  # eager only: a compiled graph cannot count calls
+    scans = CallCounter(tile_plan, "document_starts")
     with (
         float64_steps(model),
         fused if mode != "train_ac_compiled" else nullcontext(),
+        scans,
         counter if mode == "eval" else nullcontext(),
     ):
         out = model(**local)
@@ -88,6 +92,7 @@ def cp_step(
         "calls": calls,
         "paths": paths,
         "fused_calls": fused.calls,
+        "id_scans": scans.calls,
     }
 
 

@@ -139,7 +139,8 @@ def test_packed_sequences_equal_one_process(pool, name, layout):
 
 @pytest.mark.parametrize("name,with_mask", [("gemma3", False), ("deepseek_v32", False), ("llama", True)])
 def test_packed_sequences_on_two_ranks(pool, name, with_mask):
-    """Two ranks, eval: the positions travel once per forward, before the layers. With an
+    """Two ranks, eval: the positions travel once per forward, before the layers, and the documents'
+    starts are found once per forward too (the CPU tiles plan from them and scan no ids). With an
     attention_mask transformers keeps the whole row causal: so does CP."""
     n = 2
     ref = packed_reference(name, with_mask)
@@ -150,6 +151,7 @@ def test_packed_sequences_on_two_ranks(pool, name, with_mask):
         assert_path(group_results, name)
         for res in group_results:
             assert res["received"].get(("forward", "inputs", "int64"), 0) == gathered
+            assert res["id_scans"] == 0, res["id_scans"]
 
 
 def document_reach(start):

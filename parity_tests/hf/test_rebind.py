@@ -69,6 +69,48 @@ def test_a_decorator_that_does_not_hold_its_function_is_refused():
         rebind.rebind(Wrapper(Doubling.forward.__wrapped__), {"double": None})
 
 
+def test_a_decorator_that_holds_its_function_elsewhere_too_is_refused():
+    """A wrapper that could call the old function through something other than the cell rebind
+    replaces (a list in its closure, a partial, its defaults, an attribute) is refused; the plain
+    wrapper around the same function is not."""
+    forward = Doubling.forward.__wrapped__
+
+    def in_a_list(function):
+        kept = [function]
+
+        @functools.wraps(function)
+        def wrapper(self, x):
+            return kept[0](self, x) if self.calls else function(self, x)
+
+        return wrapper
+
+    def in_a_partial(function):
+        later = functools.partial(function)
+
+        @functools.wraps(function)
+        def wrapper(self, x):
+            return later(self, x) if self.calls else function(self, x)
+
+        return wrapper
+
+    def in_the_defaults(function):
+        @functools.wraps(function)
+        def wrapper(self, x, _old=function):
+            return _old(self, x) if self.calls else function(self, x)
+
+        return wrapper
+
+    def in_an_attribute(function):
+        wrapper = counted(function)
+        wrapper.original = function
+        return wrapper
+
+    for decorator in (in_a_list, in_a_partial, in_the_defaults, in_an_attribute):
+        with pytest.raises(ValueError, match="holds the function it wraps elsewhere"):
+            rebind.rebind(decorator(forward), {"double": None})
+    assert rebind.chain(counted(forward))[-1] is forward
+
+
 def gated_deltanet():
     model = hf_models.build("qwen3_5", dtype=torch.float32)
     return next(m for m in model.modules() if recurrent.kernel_of(m) is not None)

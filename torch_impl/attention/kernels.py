@@ -23,6 +23,7 @@ def causal_attention(
     padding: torch.Tensor | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    document_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over its keys, by global position; differentiable.
 
@@ -33,7 +34,10 @@ def causal_attention(
     documents: int [B, T] (packed sequences) and padding: bool [B, T] (True: a token), per key row;
     softcap: scores become softcap * tanh(score / softcap) before the mask (Gemma 2); sinks: [H],
     one learned logit per query head that joins every query's softmax denominator and adds no value
-    (GPT-OSS), differentiable. Returns [B, H, L, D] in query's dtype (under autocast, as sdpa:
+    (GPT-OSS), differentiable; document_starts: int [B, L], with `documents` that run in order, the
+    global row where each query's document begins (as torch_impl.layout.document_starts finds them
+    over the whole rows), where the caller has them: the CPU tiles then plan from these and scan no
+    ids (unchecked against `documents`). Returns [B, H, L, D] in query's dtype (under autocast, as sdpa:
     q, k and v that autocast casts, floating and not float64, in the autocast dtype, and so the
     output; float64 ones as they are).
     """
@@ -43,14 +47,27 @@ def causal_attention(
             t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
             for t in (query, key, value)
         )
-    check_arguments(query, key, value, q_start, k_start, window, documents, padding, softcap, sinks)
+    check_arguments(
+        query, key, value, q_start, k_start, window, documents, padding, softcap, sinks, document_starts
+    )
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
     width, Dv = max(query.shape[-1], value.shape[-1]), value.shape[-1]
     if query.shape[-1] != Dv:  # zero columns change no score and add no output
         query, key, value = (F.pad(t, (0, width - t.shape[-1])) for t in (query, key, value))
     kernel = choose_kernel(query, window, documents, padding, softcap, sinks)
     out = _KERNELS[kernel](
-        query, key, value, q_start, k_start, window, scale, documents, padding, softcap, sinks
+        query,
+        key,
+        value,
+        q_start,
+        k_start,
+        window,
+        scale,
+        documents,
+        padding,
+        softcap,
+        sinks,
+        document_starts,
     )
     return out if width == Dv else out[..., :Dv]  # [B, H, L, Dv]
 
@@ -79,7 +96,7 @@ def _flash_fits(query):
     )
 
 
-def _flash(query, key, value, q_start, k_start, window, scale, documents, padding, softcap, sinks):
+def _flash(query, key, value, q_start, k_start, window, scale, documents, padding, softcap, sinks, starts):
     """Global causal attention aligned bottom-right (queries are the last L of the T keys): the
     flash op's own `is_causal` for L < T, as torch's `causal_lower_right` dispatches it."""
     groups = query.shape[1] // key.shape[1]
@@ -95,7 +112,7 @@ def _compiled_flex():
     return torch.compile(create_block_mask), torch.compile(flex_attention)
 
 
-def _flex(query, key, value, q_start, k_start, window, scale, documents, padding, softcap, sinks):
+def _flex(query, key, value, q_start, k_start, window, scale, documents, padding, softcap, sinks, starts):
     """flex_attention with a BlockMask built by evaluating `mask_mod` block by block (no dense mask);
     soft-capping as its `score_mod`; sinks through its log-sum-exp (differentiable in flex):
     out * sigmoid(lse - sink), the softmax whose denominator has the sink's exp(sink) added."""
@@ -128,9 +145,9 @@ def _capped(score, b, h, q_idx, kv_idx, softcap):
     return softcap * torch.tanh(score / softcap)
 
 
-def _tiled(query, key, value, q_start, k_start, window, scale, documents, padding, softcap, sinks):
+def _tiled(query, key, value, q_start, k_start, window, scale, documents, padding, softcap, sinks, starts):
     return tiled_attention(
-        query, key, value, q_start, k_start, window, scale, documents, padding, softcap, sinks
+        query, key, value, q_start, k_start, window, scale, documents, padding, softcap, sinks, starts
     )[0]
 
 

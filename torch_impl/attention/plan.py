@@ -68,18 +68,20 @@ def tile_plan(L, T, window, block, masked, spans=None, merge=True):
     return tuple(plan)
 
 
-def document_spans(documents, L, block):
+def document_spans(documents, L, block, starts=None):
     """tile_plan's spans from documents (int [B, T] per key row, the last L rows the queries'), or
     None where a document's ids are not one run (ids that decrease somewhere): then every tile is
-    masked. One host read."""
-    if documents.shape[1] > 1 and bool((documents[:, 1:] < documents[:, :-1]).any()):
-        return None
-    off, starts = documents.shape[1] - L, document_starts(documents)  # [B, T]
-    firsts = [off + q0 for q0 in range(0, L, block)]
-    lasts = [off + min(q0 + block, L) - 1 for q0 in range(0, L, block)]
-    earliest = starts[:, firsts].amin(dim=0).tolist()
-    latest = starts[:, lasts].amax(dim=0).tolist()
-    return tuple(zip(earliest, latest, strict=True))
+    masked. starts: int [B, L], the key row where each query's document begins (below 0: before
+    the first key), where the caller has them (the documents then run in order, unread). One host
+    read of 2 ints a query block."""
+    if starts is None:
+        if documents.shape[1] > 1 and bool((documents[:, 1:] < documents[:, :-1]).any()):
+            return None
+        starts = document_starts(documents)[:, documents.shape[1] - L :]  # [B, L]
+    firsts = list(range(0, L, block))
+    lasts = [min(q0 + block, L) - 1 for q0 in firsts]
+    bounds = torch.stack([starts[:, firsts].amin(dim=0), starts[:, lasts].amax(dim=0)])  # [2, blocks]
+    return tuple(zip(*bounds.clamp_min(0).tolist(), strict=True))
 
 
 class Visible(NamedTuple):
@@ -100,14 +102,16 @@ def tile_mask(tile, visible, dtype, device):
     return mask[:, None], seen.any(-1)[:, None]
 
 
-def plan_call(query, key, q_start, k_start, window, documents, padding, softcap):
+def plan_call(query, key, q_start, k_start, window, documents, padding, softcap, starts=None):
     """(tile_plan, Visible) of one call: the same in forward and backward (pure, one host read of
-    the documents where they run in order)."""
+    the documents' spans where they run in order). starts: int [B, L], the global row where each
+    query's document begins (causal_attention's `document_starts`), or None."""
     B, _, L, _ = query.shape
     masked = documents is not None or padding is not None  # masks that differ per row
     visible = Visible(mask_mod(q_start, k_start, window, documents, padding), B if masked else 1)
     block = BLOCK["window" if window is not None else "masked" if masked or softcap else "global"]
-    spans = None if documents is None else document_spans(documents, L, block)
+    local = None if starts is None else starts - k_start  # [B, L]: by key row
+    spans = None if documents is None else document_spans(documents, L, block, local)
     masked_tiles = padding is not None or documents is not None and spans is None
     # soft-capped scores are explicit: every tile keeps its block rows, so none exceeds block^2
     return tile_plan(L, key.shape[2], window, block, masked_tiles, spans, merge=softcap is None), visible

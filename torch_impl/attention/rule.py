@@ -35,7 +35,7 @@ def mask_mod(
 
 
 def check_arguments(
-    query, key, value, q_start, k_start, window, documents, padding, softcap=None, sinks=None
+    query, key, value, q_start, k_start, window, documents, padding, softcap=None, sinks=None, starts=None
 ):
     """ValueError naming the argument and the rule, before any work."""
     B, H, L, D = query.shape
@@ -61,6 +61,17 @@ def check_arguments(
         )
     if sinks is not None and tuple(sinks.shape) != (H,):
         raise ValueError(f"`sinks` must be [H] = ({H},), one logit per query head, got {tuple(sinks.shape)}")
+    if starts is not None and (
+        documents is None
+        or tuple(starts.shape) != (B, L)
+        or starts.is_floating_point()
+        or starts.dtype == torch.bool
+    ):
+        raise ValueError(
+            f"`document_starts` must be integer [B, L] = {(B, L)}, one per query, given with `documents`; "
+            f"got {starts.dtype} {tuple(starts.shape)}"
+            + ("" if documents is not None else " without documents")
+        )
 
 
 def repeat_kv(t, groups):

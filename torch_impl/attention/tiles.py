@@ -123,6 +123,7 @@ def tiled_attention(
     padding: torch.Tensor | None,
     softcap: float | None,
     sinks: torch.Tensor | None,
+    starts: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention as query blocks over key tiles, with the memory of flash attention: one op
     (torch.library), so that torch.compile keeps it whole and activation checkpointing can keep its
@@ -144,7 +145,7 @@ def tiled_attention(
     """
     B, H, L, D = query.shape
     groups = H // key.shape[1]
-    plan, visible = plan_call(query, key, q_start, k_start, window, documents, padding, softcap)
+    plan, visible = plan_call(query, key, q_start, k_start, window, documents, padding, softcap, starts)
     work = _work(query.dtype)
     out = query.new_empty(B, H, L, D)  # [B, H, L, D]
     lse = query.new_empty(B, H, L, dtype=work)  # [B, H, L]
@@ -164,7 +165,7 @@ def tiled_attention(
 
 
 @tiled_attention.register_fake
-def _(query, key, value, q_start, k_start, window, scale, documents, padding, softcap, sinks):
+def _(query, key, value, q_start, k_start, window, scale, documents, padding, softcap, sinks, starts):
     return query.new_empty(query.shape), query.new_empty(query.shape[:3], dtype=_work(query.dtype))
 
 
@@ -184,12 +185,13 @@ def tiled_attention_backward(
     padding: torch.Tensor | None,
     softcap: float | None,
     sinks: torch.Tensor | None,
+    starts: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_q, grad_k, grad_v, grad_sinks) of `tiled_attention` (its docstring states them);
     grad_sinks is empty without sinks."""
     B, Hkv, T, D = key.shape
     groups = query.shape[1] // Hkv
-    plan, visible = plan_call(query, key, q_start, k_start, window, documents, padding, softcap)
+    plan, visible = plan_call(query, key, q_start, k_start, window, documents, padding, softcap, starts)
     work = _work(query.dtype)
     lse = lse.masked_fill(lse == -math.inf, math.inf)  # rows that saw nothing: every weight 0
     grad_q, grad_k, grad_v = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
@@ -225,37 +227,56 @@ def tiled_attention_backward(
 
 
 @tiled_attention_backward.register_fake
-def _(grad, query, key, value, out, lse, q_start, k_start, window, scale, documents, padding, softcap, sinks):
+def _(
+    grad,
+    query,
+    key,
+    value,
+    out,
+    lse,
+    q_start,
+    k_start,
+    window,
+    scale,
+    documents,
+    padding,
+    softcap,
+    sinks,
+    starts,
+):
     grad_sinks = query.new_empty(0) if sinks is None else torch.empty_like(sinks)
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), grad_sinks
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, q_start, k_start, window, scale, documents, padding, softcap, sinks = inputs
-    ctx.save_for_backward(query, key, value, *output, documents, padding, sinks)
+    query, key, value, q_start, k_start, window, scale, documents, padding, softcap, sinks, starts = inputs
+    ctx.save_for_backward(query, key, value, *output, documents, padding, sinks, starts)
     ctx.mark_non_differentiable(output[1])
     ctx.args = q_start, k_start, window, scale, softcap
 
 
 def _backward(ctx, grad, _grad_lse):
-    query, key, value, out, lse, documents, padding, sinks = ctx.saved_tensors
+    query, key, value, out, lse, documents, padding, sinks, starts = ctx.saved_tensors
     q_start, k_start, window, scale, softcap = ctx.args
     grad_q, grad_k, grad_v, grad_sinks = tiled_attention_backward(
-        grad, query, key, value, out, lse, q_start, k_start, window, scale, documents, padding, softcap, sinks
+        grad,
+        query,
+        key,
+        value,
+        out,
+        lse,
+        q_start,
+        k_start,
+        window,
+        scale,
+        documents,
+        padding,
+        softcap,
+        sinks,
+        starts,
     )
-    return (
-        grad_q,
-        grad_k,
-        grad_v,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None if sinks is None else grad_sinks,
-    )
+    grad_sinks = None if sinks is None else grad_sinks
+    return grad_q, grad_k, grad_v, None, None, None, None, None, None, None, grad_sinks, None
 
 
 tiled_attention.register_autograd(_backward, setup_context=_setup_context)

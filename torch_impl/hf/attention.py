@@ -91,6 +91,7 @@ def attend(module, query, key, value, keys, window, **kwargs):
             padding=padding,
             softcap=kwargs.get("softcap"),  # Gemma 2
             sinks=kwargs.get("s_aux"),  # GPT-OSS
+            document_starts=keys.starts,  # [B, C]: found once a forward
         )  # [B, H, C, D]
         return out.transpose(1, 2).contiguous(), None
     mask_function = causal_mask_function if window is None else sliding_window_causal_mask_function(window)

@@ -23,13 +23,15 @@ class ChunkKeys(NamedTuple):
     [start, end), keys at [first_key, end + after)), those keys' rows in what `fetch_kv` returns,
     and their padding (bool [B, T], True: a token), document ids (int [B, T]) and, where some of
     the chunk's queries (in any row) are image tokens that see their whole image, image ids (int
-    [B, T], -1: text), or None."""
+    [B, T], -1: text), or None; with documents, the global row where each of its queries' document
+    begins (int [B, C], the Documents' first rows: the CPU tiles plan from them)."""
 
     chunk: Window
     rows: slice
     padding: torch.Tensor | None
     documents: torch.Tensor | None
     blocks: torch.Tensor | None = None
+    starts: torch.Tensor | None = None
 
 
 class LocalMask(NamedTuple):
@@ -113,6 +115,7 @@ def make_mask(context, attention_mask, window, documents):
         )
     padding = None if attention_mask is None else context.padding  # bool [B, S]
     images = context.images
+    first = None if documents is None else documents.first_rows()  # [B, S]
     ahead = 0 if images is None else images.ahead  # per global chunk: its images' tokens after it
     chunks = tuple(
         ChunkKeys(
@@ -121,6 +124,7 @@ def make_mask(context, attention_mask, window, documents):
             None if padding is None else padding[:, w.keys],  # [B, T]
             None if documents is None else documents.ids[:, w.keys],  # [B, T]
             images.ids[:, w.keys] if images is not None and w.chunk in images.seeing else None,  # [B, T]
+            None if first is None else first[:, w.start : w.end],  # [B, C]
         )
         for w, rows in _key_rows(context.shard, reach, ahead)
     )

@@ -11,7 +11,11 @@ versions; nothing global changes. Guarded:
   attribute `self.causal_conv1d_fn` of the same name is not one);
 - every decorator of the forward (a `functools.wraps` wrapper holding the function it wraps in its
   closure, as transformers' `force_accelerate_hooks`) is kept around the new function, and each
-  function keeps its `__name__`, `__qualname__`, `__module__`, `__doc__` and `__wrapped__`.
+  function keeps its `__name__`, `__qualname__`, `__module__`, `__doc__` and `__wrapped__`;
+- a decorator that holds the function it wraps anywhere else too (its defaults, its attributes, or
+  inside what its closure holds: a list, a dict, a partial, another function's closure) is
+  refused, as it could call the old function there. Only what the wrapper itself holds is searched
+  (not its module's globals, nor the attributes of objects it holds).
 """
 
 import dis
@@ -51,10 +55,7 @@ def kernel_package(function) -> str | None:
 
 
 def _holds(cell, function) -> bool:
-    try:
-        return cell.cell_contents is function
-    except ValueError:  # an empty cell
-        return False
+    return any(held is function for held in _contents(cell))
 
 
 def _copy(function, scope, closure):
@@ -70,9 +71,59 @@ def _copy(function, scope, closure):
     return new
 
 
+def _parts(held) -> tuple:
+    """What a container, cell, partial, bound method or function (its closure, defaults and
+    attributes; not its globals) holds."""
+    if isinstance(held, (tuple, list, set, frozenset)):
+        return tuple(held)
+    if isinstance(held, dict):
+        return (*held, *held.values())
+    if isinstance(held, types.CellType):
+        return _contents(held)
+    if isinstance(held, functools.partial):
+        return (held.func, held.args, held.keywords)
+    if isinstance(held, types.MethodType):
+        return (held.__func__,)
+    if isinstance(held, types.FunctionType):
+        return (held.__closure__ or (), held.__defaults__ or (), held.__kwdefaults__ or {}, held.__dict__)
+    return ()
+
+
+def _contents(cell) -> tuple:
+    try:
+        return (cell.cell_contents,)
+    except ValueError:  # an empty cell
+        return ()
+
+
+def _reaches(held, function) -> bool:
+    """Whether `function` is among what `held` holds, searched through _parts."""
+    stack, seen = [held], set()
+    while stack:
+        item = stack.pop()
+        if item is function:
+            return True
+        if id(item) not in seen:
+            seen.add(id(item))
+            stack.extend(_parts(item))
+    return False
+
+
+def _holds_only_in_cells(outer, inner) -> bool:
+    """Whether `outer` holds `inner` in a closure cell of its own and nowhere else (but its
+    `__wrapped__`), so that a copy of `outer` with those cells replaced calls only the new one."""
+    cells = outer.__closure__ or ()
+    others = [cell for cell in cells if not _holds(cell, inner)]
+    attributes = {name: value for name, value in outer.__dict__.items() if name != "__wrapped__"}
+    return len(others) < len(cells) and not any(
+        _reaches(held, inner) for held in (*others, outer.__defaults__, outer.__kwdefaults__, attributes)
+    )
+
+
 def chain(function) -> list:
     """`function`, the function each of its decorators wraps, ..., the innermost; ValueError where a
-    decorator is not a function holding the one it wraps in its closure (rebind could not keep it)."""
+    decorator is not a function holding the one it wraps in its closure, or holds it elsewhere too
+    (rebind could not keep it)."""
     found = [function]
     while hasattr(found[-1], "__wrapped__"):
         outer, inner = found[-1], found[-1].__wrapped__
@@ -81,6 +132,12 @@ def chain(function) -> list:
         ):
             raise ValueError(
                 f"its forward's decorator {outer!r} does not hold the function it wraps in a closure"
+            )
+        if not _holds_only_in_cells(outer, inner):
+            raise ValueError(
+                f"its forward's decorator {outer!r} holds the function it wraps elsewhere than in its "
+                "closure's cells too (its defaults, attributes, or inside what it holds): a rebound "
+                "copy could still call the old function"
             )
         found.append(inner)
     if not isinstance(found[-1], types.FunctionType):
