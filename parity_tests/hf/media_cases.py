@@ -10,7 +10,9 @@ boundary at 16. With 4 ranks and 3 items one rank encodes nothing.
 import copy
 
 import torch
+import torch.distributed as dist
 
+from parity_tests.harness import bounds
 from parity_tests.hf import zoo, zoo_cases
 from torch_impl import hf
 from torch_impl.hf import attention, media
@@ -159,7 +161,7 @@ def _compare(group, model_type, layout, video):
     assert any(reference[2][k].abs().max() > 0 for k in vision), "the vision tower gets no gradient"
     hf.parallelize(model, group, layout=layout, verbose=False)
     logits, loss, grads = zoo_cases._run(model, hf.shard_batch(batch, group, layout=layout))
-    # a rank that encoded no item has no gradient for the vision tower and projector: it adds zeros
+    # (a rank that encoded no item of its own: zeros for the vision tower and projector)
     grads = {
         k: torch.zeros_like(reference[2][k]) if g is None and k in vision else g for k, g in grads.items()
     }
@@ -207,3 +209,54 @@ def video_refused(group, model_type):
     except ValueError as e:
         return str(e)
     return None
+
+
+def one_image(batch, config, count):
+    """media_batch's batch with its first image only (A, row 0): the other images' placeholder
+    tokens made text, their pixels and types dropped; the labels follow the ids."""
+    image = config.image_token_id
+    placeholder = batch["input_ids"] == image  # [B, S]
+    order = placeholder.flatten().cumsum(0).view_as(placeholder)  # [B, S]: 1.. over the placeholders
+    text = batch["input_ids"][0, 0]  # a text token (row 0 starts with text)
+    ids = torch.where(placeholder & (order > count), text, batch["input_ids"])
+    one = dict(batch, input_ids=ids, labels=ids.masked_fill(batch["attention_mask"] == 0, -100))
+    one["pixel_values"] = batch["pixel_values"][:1]
+    if "token_type_ids" in batch:
+        one["token_type_ids"] = (ids == image).long()
+    return one
+
+
+def autocast(group, model_type, layout):
+    """A float32 model under bfloat16 autocast (TRL's default `bf16=True`) given one image, fewer
+    than the ranks, so that some rank encodes none: the CP loss (summed over the ranks) and every
+    gradient (summed) against one process under the same autocast, each difference over its
+    bound. Every matmul's inputs are rounded to bfloat16 (u = 2^-8) on each side, from float32
+    values summed in another order, so a rounding may land one bfloat16 ulp (2u) apart; each
+    layer adds at most that, relative, on each side: 2 * 2u * layers of the loss and of the
+    largest gradient entry. (Features sent in two dtypes do not arrive at all: gloo fails.)"""
+    model = build(model_type).to(torch.float32)
+    count = tokens_an_image(model)
+    batch = one_image(media_batch(model.config, count=count), model.config, count)
+    batch["pixel_values"] = batch["pixel_values"].float()
+    one_process = copy.deepcopy(model)
+    hf.parallelize(model, group, layout=layout, verbose=False)
+    results = []
+    for m, given in ((one_process, batch), (model, hf.shard_batch(batch, group, layout=layout))):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(**given).loss
+        loss.backward()
+        results.append((loss.detach().float(), {k: p.grad for k, p in m.named_parameters()}))
+    (want, want_grads), (loss, grads) = results
+    dist.all_reduce(loss, group=group)
+    apart, largest = 0.0, 0.0
+    for key, w in want_grads.items():  # the same order on every rank: the all_reduces pair up
+        if w is None:
+            continue
+        g = torch.zeros_like(w) if grads[key] is None else grads[key].clone()  # no image: no tower grad
+        dist.all_reduce(g, group=group)
+        apart, largest = max(apart, float((g - w).abs().max())), max(largest, float(w.abs().max()))
+    bound = 4 * bounds.u(torch.bfloat16) * zoo.depth(model.config)
+    return {
+        "loss": float((loss - want).abs()) / (bound * float(want.abs())),
+        "grads": apart / (bound * largest),
+    }

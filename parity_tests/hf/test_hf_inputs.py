@@ -178,7 +178,7 @@ def test_data_parallel_gradients_are_one_process(pool, dp, wrap, global_num_item
 def test_unsupported_model_raises_at_parallelize_on_every_rank(pool, name):
     for group_results in pool.run(("block", 2), hf_cases.refuse, name):
         for message, calls, after in group_results:
-            assert message is not None and message.startswith("torch_impl.hf.parallelize: "), message
+            assert message is not None and message.startswith("torch_impl.hf: "), message
             assert hf_models.REFUSED[name] in message, message
             assert calls == 0 and after == [0.0, 1.0]  # no communication; every rank still in step
 
@@ -371,12 +371,16 @@ def test_host_reads_per_forward(pool, name, packed, validate, sites):
     ],
 )
 def test_unsharded_calls_run_as_one_process(pool, name, layout):
-    """A call that shard_batch did not make (the whole batch on every rank: a quick forward,
-    generate with and without a KV cache) runs as one process does, to the bit, communicating
-    nothing; a sharded step after it is CP again (its logits one process's at its rows)."""
+    """A call that shard_batch did not make (the whole batch on every rank: a forward under
+    no_grad in training mode, one with its backward in eval mode, generate with and without a KV
+    cache) runs as one process does, to the bit, communicating nothing; a shard called in training
+    mode with grad but without its mark (`cp_layout`, as a loop filtering kwargs by the forward's
+    signature drops it) is refused on every rank, saying what to pass; a sharded step after it is
+    CP again (its logits one process's at its rows)."""
     for group_results in pool.run(("block", 2), hf_cases.unsharded_calls, name, layout):
-        for differences, tokens, calls, (sharded, largest) in group_results:
-            assert differences == {"logits": 0.0, "loss": 0.0, "grads": 0.0}, differences
+        for differences, tokens, calls, (sharded, largest), refused in group_results:
+            assert differences == {"no grad": 0.0, "logits": 0.0, "loss": 0.0, "grads": 0.0}, differences
+            assert refused and "without the mark of a shard (`cp_layout`)" in refused, refused
             assert (
                 tokens["cp", True] == tokens["plain", True] and tokens["cp", False] == tokens["plain", False]
             )

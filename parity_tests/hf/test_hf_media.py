@@ -31,6 +31,18 @@ def test_gemma3_images_in_query_blocks(pool):
         assert max(ratios.values()) <= 1, (why, ratios)
 
 
+@pytest.mark.parametrize("family", ["llava", "gemma3"])
+@pytest.mark.parametrize(
+    "n, layout", [(2, "contiguous"), (4, "head_tail"), (2, "head_tail"), (4, "contiguous")]
+)
+def test_one_image_under_bfloat16_autocast(pool, family, n, layout):
+    """A float32 model under TRL's bf16 autocast with one image: the ranks that encode nothing send
+    the features' dtype (bfloat16, the projector's under autocast), not the embeddings' float32;
+    the loss and gradients are one process's under the same autocast, within its bound."""
+    for ratios in pool.run(("first", n), media_cases.autocast, family, layout)[0]:
+        assert max(ratios.values()) <= 1, (family, ratios)
+
+
 def test_unverified_media_are_refused(pool):
     """A family whose images are not verified under CP (VipLLaVA): refused, saying so, on every rank."""
     for message in pool.run(("first", 2), media_cases.refused, "vipllava")[0]:

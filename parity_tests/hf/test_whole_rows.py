@@ -114,3 +114,38 @@ def test_as_replicas_nests_and_restores_what_it_found():
             assert t.accelerator is view and t.cp_whole_rows
             raise RuntimeError("in the loss")
     assert t.accelerator is own and t.cp_whole_rows is False
+
+
+def test_the_replica_view_reduces_over_the_replicas():
+    """ReplicaView at dp 2 x cp 2: its gathers take one CP rank per replica, `reduce` sums them or,
+    with reduction="mean", divides that sum by the replicas (TRL 1.16 reduces with "sum" only)."""
+    gathered = torch.tensor([[1.0, 10.0], [1.0, 10.0], [3.0, 30.0], [3.0, 30.0]])  # by rank: replica 0, 1
+
+    def replicas(tensor, cut=True):  # the mixin's _gather_replicas over 4 processes, cp 2
+        return gathered.unflatten(0, (4, -1))[::2].flatten(0, 1)
+
+    t = types.SimpleNamespace(accelerator=None, dp_index=1, dp_size=2, _gather_replicas=replicas)
+    view = whole_rows.ReplicaView(t)
+    assert (view.process_index, view.num_processes) == (1, 2)
+    assert torch.equal(view.gather(torch.zeros(2)), torch.tensor([[1.0, 10.0], [3.0, 30.0]]))
+    assert torch.equal(view.reduce(torch.zeros(2)), torch.tensor([4.0, 40.0]))
+    assert torch.equal(view.reduce(torch.zeros(2), reduction="mean"), torch.tensor([2.0, 20.0]))
+    assert torch.equal(view.reduce(torch.zeros(2), reduction="mean", scale=0.5), torch.tensor([1.0, 10.0]))
+
+
+@pytest.mark.parametrize("layout, multiple", [("contiguous", 2), ("head_tail", 4)])
+def test_the_mixin_pads_rows_to_the_least_multiple(layout, multiple):
+    """ContextParallelMixin.shard pads a batch of S tokens at its end to the least multiple of what
+    the layout needs (cp, 2 cp for head_tail) at or above S: labels -100, attention 0, input ids
+    the pad token, positions 0; never more (padding is work and memory on every rank)."""
+    t = types.SimpleNamespace(cp_size=2, cp_layout=layout, cp_group=None, _pad_id=lambda: 7)
+    for S in range(5, 14):
+        ids = torch.arange(1, S + 1).expand(2, S)
+        batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+        local = hf.ContextParallelMixin.shard(t, batch)
+        padded = -(-S // multiple) * multiple
+        assert local["input_ids"].shape == (2, padded), (S, local["input_ids"].shape)
+        assert torch.equal(local["input_ids"][:, :S], ids) and (local["input_ids"][:, S:] == 7).all()
+        assert (local["attention_mask"][:, S:] == 0).all() and (
+            local["shift_labels"][:, S - 1 :] == -100
+        ).all()

@@ -272,9 +272,9 @@ FAMILY = {
         index_n_heads=2,  # one block selection per KV head
     ),  # default: no sparse/dense layers
     # relative logits out to 12 tokens back (default 1024: past the whole row), log scaling of the
-    # full layers' queries from row 16 on (Inkling's from local rows: a rank holds at most 16 tokens
-    # of the sweep's rows) and from row 4 on (Inkling2's: from position_ids)
-    "inkling_text": dict(rel_extent=12, log_scaling_n_floor=16),
+    # full layers' queries from row 4 on (Inkling's from the rank's local rows, which the adapter
+    # moves to the global ones; Inkling2's from position_ids)
+    "inkling_text": dict(rel_extent=12, log_scaling_n_floor=4),
     "inkling2_text": dict(rel_extent=12, log_scaling_n_floor=4),
     "roc_bert": dict(
         pronunciation_embed_dim=32, pronunciation_vocab_size=VOCAB, shape_embed_dim=32, shape_vocab_size=VOCAB

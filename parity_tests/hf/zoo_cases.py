@@ -171,19 +171,6 @@ def left_padding_refusal(group, model_type):
     return None
 
 
-def floor_refusal(group, floor):
-    """The message with which Inkling, its log scaling from row `floor` on, refuses a padded batch
-    (None: ran)."""
-    model = zoo.build("inkling_text")
-    model.config.log_scaling_n_floor = floor
-    hf.parallelize(model, group, verbose=False)
-    try:
-        model(**hf.shard_batch(zoo.padded_batch(model.config), group))
-    except ValueError as e:
-        return str(e)
-    return None
-
-
 NO_TOKEN_TYPES = "its forward takes no token types"
 
 

@@ -1,15 +1,21 @@
-"""RLOO's scoring as ContextParallelMixin restates it (torch_impl.hf.rl.rloo_scored: TRL 1.16's,
-its module-level gather of each row's KL penalty over the dp replicas) equals TRL's own
-`_generate_and_score_completions` in one process (cp_size 1), for each option it reads: the same
-completions, old log-probs, advantages, loss, gradient and every metric. GRPO's and RLOO's losses
-are TRL's own (torch_impl.hf.whole_rows); the trainers over CP ranks against the runs without CP:
-test_trainer.py. What is not exact is refused in `__init__`.
+"""GRPO's and RLOO's scoring under ContextParallelMixin: TRL's own methods, their module-level
+gathers (the rewards, RLOO's each row's KL penalty, the completions table) rebound to the gathers
+over the dp replicas (torch_impl.hf.rl.rebound), equal TRL's unchanged methods in one process
+(cp_size 1), for each option RLOO reads: the same completions, old log-probs, advantages, loss,
+gradient and every metric. GRPO's and RLOO's losses are TRL's own (torch_impl.hf.whole_rows); the
+trainers over CP ranks against the runs without CP: test_trainer.py. What is not exact is refused
+in `__init__`.
 
 The bound: TRL's fused LM head computes each token's log-prob in float32 in both paths; a float32
 sum over a row's completion (at most 12 tokens) or a batch's (at most 48) rounds in another order:
 every value within 64 u32 of the largest magnitude it is built from.
 """
 
+import inspect
+import re
+import types
+
+import accelerate.utils
 import pytest
 import torch
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
@@ -17,6 +23,7 @@ from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from parity_tests.harness import bounds
 from parity_tests.trainer import trainer_jobs
 from torch_impl import hf
+from torch_impl.hf.trainer_checks import rollout_config
 
 U32 = bounds.u(torch.float32)
 R = 64 * U32
@@ -150,3 +157,81 @@ def test_what_rloo_cannot_make_exact_is_refused_in_init(tmp_path, option, says):
             train_dataset=trainer_jobs.prompt_rows(16, 0),
             cp_size=1,
         )
+
+
+@pytest.mark.parametrize("config", [GRPOConfig, RLOOConfig])
+@pytest.mark.parametrize(
+    "options,says",
+    [  # TRL's defaults (num_generations 8) with 4 rows a device: 8 rows over 2 processes, 4 a replica
+        (
+            {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1},
+            "generation batch of 4 rows (per_device_train_batch_size 4 x 1 replica(s) x "
+            "steps_per_generation 1) must be divisible by num_generations (8)",
+        ),
+        (  # training splits (8 rows a replica); an evaluation batch of 4 rows a replica does not
+            {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 4, "eval_strategy": "steps"},
+            "evaluation batch of 4 rows (per_device_eval_batch_size 4 x 1 replica(s)) must be divisible "
+            "by the evaluation's num_generations (8)",
+        ),
+    ],
+)
+def test_batches_that_do_not_split_over_the_replicas_are_refused(tmp_path, config, options, says):
+    """A config that TRL's own checks pass over 2 processes but not over its 1 replica at cp 2 (the
+    dp-only run's process would hold half a prompt's group: a ZeroDivisionError in `train()`, a
+    `view` error at the first evaluation) is refused before TRL's `__init__`, naming cp_size, the
+    batch and num_generations; at cp 1 (2 replicas) it passes."""
+    over_two = type("OverTwo", (config,), {"world_size": property(lambda self: 2)})
+    args = over_two(str(tmp_path), use_cpu=True, report_to=[], num_generations=8, **options)
+    name = f"{config.__name__.removesuffix('Config')}Trainer"
+    with pytest.raises(ValueError, match=rf"TRL's {name} with cp_size=2 over 2 processes leaves 1 data"):
+        rollout_config(name, 2, (), {"args": args})
+    with pytest.raises(ValueError, match=re.escape(says)):
+        rollout_config(name, 2, (), {"args": args})
+    kept = rollout_config(name, 1, (), {"args": args})[1]["args"]
+    assert kept.generation_batch_size == args.generation_batch_size
+
+
+def test_the_replicas_gathers_keep_one_cp_rank_per_replica(monkeypatch):
+    """rl.replica_gathers over 4 processes at cp 2: `gather_object` (TRL's completions table: a list
+    per process, by rank) keeps CP rank 0's list of each replica, as accelerate's over the dp-only
+    run's 2 processes; `gather` is the mixin's gather over the replicas."""
+    from torch_impl.hf import rl
+
+    lists = [["a", "b"], ["a", "b"], ["c", "d"], ["c", "d"]]  # by rank: replica 0, then replica 1
+
+    def all_gather_object(every, obj):
+        every[:] = lists
+
+    monkeypatch.setattr(rl.dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(rl.dist, "all_gather_object", all_gather_object)
+    gathered = []
+    t = types.SimpleNamespace(cp_size=2, _gather_replicas=lambda x, cut: gathered.append((x, cut)) or x)
+    gathers = rl.replica_gathers(t)
+    assert gathers["gather_object"](["a", "b"]) == ["a", "b", "c", "d"]
+    assert gathers["gather"]("rewards") == "rewards" and gathered == [("rewards", False)]
+
+
+def test_trls_scoring_is_rebound_not_restated():
+    """The mixin's GRPO and RLOO methods that gather are TRL's own code objects, run with the
+    replicas' gathers; one that loads a collective the table does not rebind is refused."""
+    from torch_impl.hf import rl
+
+    t = types.SimpleNamespace(cp_size=2, _gather_replicas=lambda x, cut: x)
+    for trainer in (GRPOTrainer, RLOOTrainer):
+        for name, method in rl.rebound(t, trainer).items():
+            inner = inspect.unwrap(method.__func__)
+            assert inner.__code__ is inspect.unwrap(getattr(trainer, name)).__code__, name
+            for key in rl.REBOUND[trainer.__name__][name]:
+                assert inner.__globals__[key] is not getattr(accelerate.utils, key), (name, key)
+    Changed = type(
+        "RLOOTrainer", (RLOOTrainer,), {"_calculate_rewards": GRPOTrainer._generate_and_score_completions}
+    )
+    with pytest.raises(
+        ValueError, match=r"RLOOTrainer._calculate_rewards calls accelerate's \['gather_object'\]"
+    ):
+        rl.rebound(t, Changed)
+    Renamed = type("RLOOTrainer", (RLOOTrainer,), {"_calculate_rewards": GRPOTrainer._generate})  # no gather
+    with pytest.raises(
+        ValueError, match=r"RLOOTrainer._calculate_rewards cannot run .* loads no global \['gather'\]"
+    ):
+        rl.rebound(t, Renamed)

@@ -10,7 +10,8 @@ with packing: Gemma 3 and GPT-OSS (head_tail) on prompt-completion pairs, the lo
 only, Mistral on text, Gemma 3 with TRL's defaults, bf16 autocast and activation checkpointing, in
 float64 and float32; SFTTrainer on images and text (TRL's vision collator, prompts with one or two
 images, completion-only loss): Qwen2-VL (mRoPE, its processor's type ids; LLaVA under head_tail in
-the slow matrix), the vision tower and projector training too; RewardTrainer on chosen /
+the slow matrix), the vision tower and projector training too, and LLaVA in float32 under bf16
+autocast with one image a batch (a CP rank encoding none), head_tail; RewardTrainer on chosen /
 rejected pairs: Llama, Mistral under head_tail with centred rewards, with LoRA, under FSDP2 and
 with TRL's defaults, every metric it logs compared;
 DPOTrainer and KTOTrainer with a separate reference model, with LoRA (reference: the adapter off),
@@ -121,10 +122,17 @@ def compare(got, want, case):
     steps = [h["step"] for h in want["log"]]
     assert [h["step"] for h in got["log"]] == steps == [1, 2, 3]
     kind, _, _, extra = trainer_jobs.EVERY_CASE[case]
+    if kind in ROLLOUTS:
+        completions_table(got, want)
     if extra.get("dtype") == "float32" or extra.get("bf16_head"):  # under bf16 autocast
-        return within_bfloat16(got, want, case)
+        bound = within_bfloat16(got, want, case)
+        if kind in ("trainer", "sft"):
+            token_metrics(got, want, bound)
+        return None
     if kind in ROLLOUTS:
         rollout_metrics(got, want)
+    if kind in ("trainer", "sft"):
+        token_metrics(got, want, 64 * U32)
     for g, w in zip(got["log"], want["log"], strict=True):
         if kind in ROLLOUTS:  # checked above
             break
@@ -150,6 +158,39 @@ def compare(got, want, case):
         change = w - start[key]
         apart = (got["params"][key] - w).abs().max()
         bounds.check(apart, rtol * change.abs().max().item() + 1e-14, f"{key} after 3 steps")
+
+
+def token_metrics(got, want, bound):
+    """transformers' Trainer and TRL's SFTTrainer: every other metric they log in training and
+    evaluate(): the tokens counted (`num_input_tokens_seen`, SFT's `num_tokens`) exactly; SFT's
+    entropy and token accuracy, which its fused LM head computes per token in float32 on both
+    sides and sums over the batch in another order, within `bound` of the larger of the value
+    and 1 (64 u32; under bf16 autocast within_bfloat16's)."""
+    for g, w in [*zip(got["log"], want["log"], strict=True), (got["eval"], want["eval"])]:
+        assert g.keys() == w.keys(), g.keys() ^ w.keys()
+        for key in w.keys() - {"loss", "grad_norm", "learning_rate", "epoch", "step", "eval_loss"}:
+            if key.endswith(("num_tokens", "num_input_tokens_seen")):
+                assert g[key] == w[key], (w.get("step"), key, g[key], w[key])
+            else:
+                bounds.check(
+                    abs(g[key] - w[key]), bound * max(abs(w[key]), 1.0), f"step {w.get('step')} {key}"
+                )
+
+
+def completions_table(got, want):
+    """GRPO's and RLOO's completions table (what TRL logs per completion: prompts, completions,
+    rewards, advantages), as rank 0 holds it: the dp-only run's rows, once each. The completions
+    are the same tokens, the rewards computed alike from them; an advantage (RLOO's with its KL
+    penalty: a difference of float32 log-probs) within 64 u32 of the larger of it and 1."""
+    got, want = got["completions"], want["completions"]
+    assert got.keys() == want.keys(), got.keys() ^ want.keys()
+    for key, values in want.items():
+        assert len(got[key]) == len(values), (key, len(got[key]), len(values))
+        if key != "advantages":
+            assert got[key] == values, key
+            continue
+        for g, w in zip(got[key], values, strict=True):
+            bounds.check(abs(g - w), 64 * U32 * max(abs(w), 1.0), "advantage")
 
 
 def reward_metrics(got, want):
@@ -207,18 +248,27 @@ def within_bfloat16(got, want, case):
     """A float32 model under TRL's bf16 autocast: every matmul's inputs are rounded to bfloat16
     (u = 2^-8) on each side, from float32 values that differ by float32 roundings taken in another
     order, so a rounding may land one bfloat16 ulp (2u) apart; each layer adds at most that to
-    the loss and grad_norm, relative, on each side: within 2 * 2u * layers of them."""
-    bound = (
-        4
-        * bounds.u(torch.bfloat16)
-        * hf_models.build(trainer_jobs.EVERY_CASE[case][1]).config.num_hidden_layers
-    )
+    the loss and grad_norm, relative, on each side: within 2 * 2u * layers of them. Returns that
+    bound (relative)."""
+    kind, name, _, extra = trainer_jobs.EVERY_CASE[case]
+    model = trainer_jobs.model_of(kind, name, {**extra, "lora": False})
+    bound = 4 * bounds.u(torch.bfloat16) * model.config.get_text_config().num_hidden_layers
     floor = 1.0 if trainer_jobs.EVERY_CASE[case][0] in ROLLOUTS else 0.0  # their loss: about 0 (advantages)
     for g, w in zip(got["log"], want["log"], strict=True):
         for key in ("loss", "grad_norm"):
             bounds.check(abs(g[key] - w[key]), bound * max(abs(w[key]), floor), f"step {w['step']} {key}")
     scale = max(abs(want["eval_loss"]), floor)
     bounds.check(abs(got["eval_loss"] - want["eval_loss"]), bound * scale, "eval_loss")
+    return bound
+
+
+def test_precomputed_reference_log_probs_are_sharded_as_a_training_step(runs):
+    """DPO's `precompute_ref_log_probs`: TRL's pass of the reference over the dataset runs once the
+    model is made CP, its fused-head calls sharded (every rank's every batch), so that a rank holds
+    a shard's activations, not a whole row's; the run equals the one without CP (above)."""
+    for rank in runs["cp2"]["dpo_llama_precomputed"]["reference_passes"]:
+        assert rank and all(rank), rank
+    assert runs["one"]["dpo_llama_precomputed"]["reference_passes"][0]  # the pass ran there too
 
 
 @pytest.mark.parametrize("launch", ["cp2", "dp2cp2"])
@@ -293,11 +343,17 @@ def test_what_cannot_be_exact_is_refused_on_every_rank(runs, launch):
         assert "`label_smoothing_factor > 0` is not supported" in rank["label_smoothing"]
         assert "`compute_metrics` is not supported" in rank["compute_metrics"]
         assert "router's auxiliary loss would be each CP rank's own" in rank["router_aux_loss"]
+        assert "router_aux_loss_coef=0.0 in the SFTConfig" in rank["router_aux_loss"]
         assert "pass accelerator_config={'dispatch_batches': False}" in rank["dispatch_batches"]
         assert (
             "LlamaForSequenceClassification: a sequence classification loss"
             in rank["sequence_classification"]
         )
+        replicas = f"cp_size={world} over {world} processes leaves 1 data-parallel replica(s)"
+        assert f"TRL's GRPOTrainer with {replicas}" in rank["grpo_train_batch"], rank["grpo_train_batch"]
+        assert "generation batch of 4 rows" in rank["grpo_train_batch"]
+        assert "must be divisible by num_generations (8)" in rank["grpo_train_batch"]
+        assert "evaluation batch of 4 rows" in rank["grpo_eval_batch"], rank["grpo_eval_batch"]
 
 
 @pytest.mark.parametrize("recipe", ["trainer", "sft", "dpo", "grpo", "vlm"])

@@ -48,6 +48,19 @@ CASES = {
     # tower and projector training, each rank encoding its share of a batch's images; mRoPE
     # positions over the whole row, its processor's mm_token_type_ids (LLaVA: MATRIX, the recipe)
     "sft_qwen2_vl_images": ("sft", "qwen2_vl", "contiguous", {"images": True}),
+    # LLaVA in float32 under TRL's bf16 autocast, a row and one image a batch: one CP rank encodes
+    # none and sends the projector's dtype (bfloat16), not its embeddings' float32
+    "sft_llava_one_image_bf16_head_tail": (
+        "sft",
+        "llava",
+        "head_tail",
+        {
+            "images": True,
+            "one_image": True,
+            "dtype": "float32",
+            "args": {"bf16": None, "per_device_train_batch_size": 1, "per_device_eval_batch_size": 1},
+        },
+    ),
     # TRL's defaults (bf16 autocast, activation checkpointing) on a float64 model (autocast leaves
     # float64 as it is) and a float32 one; evaluated on long prompts with short completions, so that
     # a CP rank's shard of a row holds no label
@@ -241,6 +254,7 @@ MATRIX = {
 MATRIX["sft_llava_images_head_tail"] = ("sft", "llava", "head_tail", {"images": True})
 EVERY_CASE = CASES | MATRIX
 STREAMED = {"accelerator_config": {"dispatch_batches": False}}
+COUNTED = {"include_num_input_tokens_seen": True}  # every case logs the tokens its batches held
 # GRPO and RLOO: 2 prompts a generation (a micro-batch: one prompt's 4 completions), TRAINING's
 # SGD steps
 GRPO_TRAINING = trainer.TRAINING | dict(
@@ -300,7 +314,8 @@ class Streamed(torch.utils.data.IterableDataset):
 
 
 class Rows:
-    """A trainer mixin recording the rows of every training batch (before CP shards them). Its
+    """A trainer mixin recording the rows of every training batch (before CP shards them), and per
+    batch of a precomputed reference pass whether its fused-head calls were sharded over CP. Its
     training steps keep a linear-attention model's float32 steps in float64
     (hf_reference.float64_steps: its recurrences' float32 rounding, in another order, is within no
     bound relative to a gradient that sums to near zero; test_recurrent bounds the float32 kernels)."""
@@ -308,6 +323,10 @@ class Rows:
     def training_step(self, model, inputs, num_items_in_batch=None):
         with float64_steps(self.model):
             return super().training_step(model, inputs, num_items_in_batch)
+
+    def compute_ref_log_probs(self, model, inputs):  # DPO's and KTO's precomputed reference pass
+        self.reference_passes.append(getattr(self, "cp_whole_rows", False))  # sharded over CP or not
+        return super().compute_ref_log_probs(model, inputs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if model.training:
@@ -371,7 +390,7 @@ def build(kind, name, layout, extra, cp_size, output_dir, **overrides):
     received = set()  # every keyword the model's forward is given
     model.register_forward_pre_hook(lambda module, args, kw: received.update(kw), with_kwargs=True)
     kwargs = {} if cp_size == 1 else {"cp_size": cp_size, "cp_layout": layout}
-    overrides = extra.get("args", {}) | (FSDP2 if extra.get("fsdp") else {}) | overrides
+    overrides = COUNTED | extra.get("args", {}) | (FSDP2 if extra.get("fsdp") else {}) | overrides
     if kind == "trainer":
         rows = trainer_data.token_rows(48, 13, 31, seed=0)
         if extra.get("iterable"):
@@ -426,6 +445,8 @@ def build(kind, name, layout, extra, cp_size, output_dir, **overrides):
             args = vlm.vlm_config(output_dir, **overrides)
             image = hf_models.QWEN_IMAGE if name == "qwen2_vl" else vlm.IMAGE
             data = dict(train_dataset=vlm.rows(48, 0, image), eval_dataset=vlm.rows(8, 1, image))
+            if extra.get("one_image"):  # the rows with one image
+                data = {key: rows.filter(lambda row: len(row["images"]) == 1) for key, rows in data.items()}
         elif extra.get("text"):  # language modelling on whole rows, packed
             data = dict(
                 train_dataset=Dataset.from_dict({"text": trainer_data.sentences(96, 3, 20, seed=0)}),
@@ -444,8 +465,9 @@ def build(kind, name, layout, extra, cp_size, output_dir, **overrides):
     if wrapped_by_trl:
         data["peft_config"] = lora_config(kind)
         torch.manual_seed(0)  # as model_of draws A
+    Rows.reference_passes = passes = []  # (TRL's __init__ runs the reference pass)
     built = (plain if cp_size == 1 else cp)(model=model, args=args, **data, **kwargs)
-    built.rows, built.received = [], received
+    built.rows, built.received, built.reference_passes = [], received, passes
     return built
 
 
@@ -483,9 +505,13 @@ def run(name, cp_size, output_dir):
     kind, model, layout, extra = EVERY_CASE[name]
     t = build(kind, model, layout, extra, cp_size, output_dir)
     t.train()
-    evaluated = {k: v for k, v in t.evaluate().items() if not k.endswith(("_runtime", "_per_second"))}
-    result = {"log": [h for h in t.state.log_history if "loss" in h], "eval": evaluated}
+    evaluated = untimed(t.evaluate())
+    result = {"log": [untimed(h) for h in t.state.log_history if "loss" in h], "eval": evaluated}
     result["eval_loss"] = evaluated["eval_loss"]
+    if kind in ("grpo", "rloo"):  # TRL's completions table, as rank 0 holds it to log
+        logs = t._logs
+        result["completions"] = {key: list(logs[key]) for key in ("prompt", "completion", "advantages")}
+        result["completions"] |= {f"rewards/{k}": list(v) for k, v in logs["rewards"].items()}
     result["params"] = params(t.model)
     if extra.get("lora") and not extra.get("fsdp"):  # the saved adapter, loaded into the plain model
         import peft
@@ -497,6 +523,7 @@ def run(name, cp_size, output_dir):
         trained, loaded = t.model.state_dict(), plain.state_dict()
         result["adapter"] = {k: torch.equal(loaded[k], v) for k, v in trained.items() if "lora_" in k}
     result["rows"] = gathered(t.rows)
+    result["reference_passes"] = gathered(t.reference_passes)
     result["received"] = gathered(sorted(t.received))
     checkpointed = [
         m._gradient_checkpointing_func
@@ -505,6 +532,11 @@ def run(name, cp_size, output_dir):
     ]
     result["checkpointing"] = str(checkpointed[0].keywords) if checkpointed else None
     return result
+
+
+def untimed(logged):
+    """A logged dict without its timings (with the tokens seen, every step logs its speed)."""
+    return {k: v for k, v in logged.items() if not k.endswith(("_runtime", "_per_second"))}
 
 
 def params(model):
@@ -532,8 +564,8 @@ def resume(case, cp_size, output_dir):
     return {
         "uninterrupted": params(first.model),
         "resumed": params(again.model),
-        "log": [h for h in again.state.log_history if "loss" in h],
-        "uninterrupted_log": [h for h in first.state.log_history if "loss" in h],
+        "log": [untimed(h) for h in again.state.log_history if "loss" in h],
+        "uninterrupted_log": [untimed(h) for h in first.state.log_history if "loss" in h],
         "checkpoint": f"{output_dir}/checkpoint-3",
     }
 
@@ -571,6 +603,15 @@ def refusals(output_dir):
         said["sequence_classification"] = None
     except ValueError as e:
         said["sequence_classification"] = str(e)
+    for what, options in (  # TRL's default num_generations (8): batches that split over the processes only
+        ("grpo_train_batch", {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1}),
+        ("grpo_eval_batch", {"per_device_train_batch_size": 8, "eval_strategy": "steps", "eval_steps": 1}),
+    ):
+        try:
+            build("grpo", "llama", "contiguous", {}, world, output_dir, num_generations=8, **options)
+            said[what] = None
+        except ValueError as e:
+            said[what] = str(e)
     try:  # GPT-OSS under SFTTrainer's default: the router's auxiliary loss
         build("sft", "gpt_oss", "contiguous", {}, world, output_dir, router_aux_loss_coef=0.001)
         said["router_aux_loss"] = None

@@ -156,7 +156,7 @@ def check_fused_kwargs(module, kwargs):
     per-token form some models pass)."""
     if kwargs.get("sinks") is not None:
         raise ValueError(
-            f"`{IMPLEMENTATION}`: {type(module).__name__} passed `sinks`, which the fused attention "
+            f"torch_impl.hf: {type(module).__name__} passed `sinks`, which the fused attention "
             "does not compute (it computes per-head sinks passed as `s_aux`)"
         )
 
@@ -165,8 +165,8 @@ def _setup(module):
     """The AttentionSetup `parallelize` set on the module."""
     if not isinstance(getattr(module, "context_parallel", None), AttentionSetup):
         raise ValueError(
-            f"{type(module).__name__} uses attention `{IMPLEMENTATION}` but was not prepared by "
-            "torch_impl.hf.parallelize"
+            f"torch_impl.hf: {type(module).__name__} uses attention `{IMPLEMENTATION}` but was not "
+            "prepared by torch_impl.hf.parallelize"
         )
     return module.context_parallel
 
@@ -176,12 +176,13 @@ def check_call(module, attention_mask):
     _setup(module)
     if not isinstance(attention_mask, (LocalMask, IndexedContext, Selection)):
         raise ValueError(
-            f"`{IMPLEMENTATION}` needs the mask its mask function made (the model's own create_*_mask), "
-            f"got {type(attention_mask).__name__}; custom 4-D masks cannot be split across CP ranks"
+            f"torch_impl.hf: `{IMPLEMENTATION}` needs the mask its mask function made (the model's own "
+            f"create_*_mask), got {type(attention_mask).__name__}; custom 4-D masks cannot be split "
+            "across CP ranks"
         )
     if isinstance(attention_mask, LocalMask) and not attention_mask.chunks:
         raise ValueError(
-            f"`{IMPLEMENTATION}`: {type(module).__name__} was given a mask of a kind its config's "
+            f"torch_impl.hf: {type(module).__name__} was given a mask of a kind its config's "
             "layer_types do not list"
         )
 

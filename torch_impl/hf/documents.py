@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from torch_impl.hf import upstream
 from torch_impl.hf._common import RUNNING, Arguments, Aside, Context, stepping_aside
 from torch_impl.layout import Documents, ShardPlan, document_starts, packed_ids
 
@@ -59,7 +60,10 @@ ISOLATES = dict.fromkeys(_ISOLATING.split(), True) | dict.fromkeys(_NOT_ISOLATIN
 def isolates_documents(modules):
     """Whether the model whose inputs `modules` (outer first) receive isolates packed documents in
     one process: the first of their classes in ISOLATES (a subclass of a transformers class: that
-    class's entry); None when none is listed."""
+    class's entry); None when none is listed. ValueError where the installed transformers' rule
+    for packed rows, which the table's entries stand on, is not the recorded release's
+    (torch_impl.hf.upstream)."""
+    upstream.check("torch_impl.hf.documents.ISOLATES")
     for module in modules:
         for cls in type(module).__mro__:
             if cls.__module__.startswith("transformers."):

@@ -9,8 +9,10 @@ forward, asked for distances 0 .. E - 1), and `relative_attention` fetches the k
 sliding layer and, per block of queries, reads each key's bias at its global distance (zero
 outside [0, E)), then runs the model's own attention function with that bias and the block's sinks
 on a dense mask. Inkling's log scaling of its full layers' queries (and their bias), which the
-model computes from the local rows, is 1 there while a rank holds at most `log_scaling_n_floor`
-tokens (else refused); the attention applies it at the global positions, in float32 as the model.
+model computes from the rank's local rows (`arange`, 1 up to `log_scaling_n_floor`), is moved to
+the global positions by the attention: the model's float32 factor divided out and the global one
+applied, their ratio in float64 (Llama 4's temperature tuning reads positions, so needs none of
+this).
 
 Inkling2's full layers convolve their keys and values with taps that depend on each token
 (`TokenConvHalo`): each rank sends the K - 1 masked inputs the next chunk's first tokens read
@@ -56,8 +58,8 @@ def is_relative(module):
 
 def log_scale(module):
     """Inkling's full layers with log scaling: as a function of the positions [L], the factor [L]
-    (the module's formula, in float32) it gives its queries and bias, from the local rows (where it
-    is 1 while a rank holds at most `log_scaling_n_floor` tokens); else None."""
+    (the module's formula, in float32) it gives its queries and bias, which it computes from the
+    rank's local rows; else None."""
     config = module.config
     if type(module).__name__ not in LOCAL_LOG_SCALING or module.is_sliding:
         return None
@@ -98,16 +100,11 @@ def relative_attention(module, query, key, value, mask, position_bias, sinks=Non
     table, scale = position_bias, log_scale(module)  # [B, H, L, E]
     assert table.shape[-1] == module.rel_logits_proj.rel_extent, table.shape  # RelativeTable's
     assert all(keys.blocks is None for keys in mask.chunks), "no images that see later tokens here"
-    if scale is not None:  # the model's factor (1 on the rank's local rows), at the global positions
-        floor = module.config.log_scaling_n_floor
-        if L > floor:
-            raise ValueError(
-                f"torch_impl.hf: {type(module).__name__} scales its queries by the rank's local rows "
-                f"from row log_scaling_n_floor={floor} on, which under CP are not the global ones; a "
-                f"rank holds {L} tokens here: shard the sequence so that a rank holds at most {floor}"
-            )
-        tau = scale(_positions(context, query.device))[:, None, :, None]  # float32 [B or 1, 1, L, 1]
-        query = (query.float() * tau).to(query.dtype)  # [B, H, L, D], as the model in float32
+    if scale is not None:  # the model's factor at the global positions, in place of its local rows'
+        given = scale(torch.arange(L, device=query.device))  # float32 [L]: the model's, by local row
+        wanted = scale(_positions(context, query.device))  # float32 [B or 1, L]: at the global rows
+        tau = (wanted.double() / given.double())[:, None, :, None]  # [B or 1, 1, L, 1], float64
+        query = (query.float() * tau).to(query.dtype)  # [B, H, L, D]: one rounding to its dtype
         table = (table.float() * tau).to(table.dtype)  # [B, H, L, E]
     key, value = fetch_kv(context, key, value, mask.reach)  # [B, Hkv, T, D]
     E, outs = table.shape[-1], []

@@ -6,7 +6,6 @@ fields every CP rank must agree on, which the cross-rank check compares (`signat
 import torch
 
 from torch_impl.hf import media
-from torch_impl.hf._common import IMPLEMENTATION
 from torch_impl.hf.batch import BATCH_KEYS, TYPE_KEYS
 
 TEXT_INPUTS = {  # a hooked forward's parameters a text batch may pass; any other that is set is refused
@@ -29,12 +28,12 @@ def check(module, cache, mask):
     """What is wrong with this rank's attention_mask `mask` or KV cache `cache`, or None."""
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.ndim != 2):
         return (
-            f"`{IMPLEMENTATION}`: `attention_mask` must be the 2-D padding mask [B, L]; custom 4-D masks "
+            "torch_impl.hf: `attention_mask` must be the 2-D padding mask [B, L]; custom 4-D masks "
             "(or prepared mask dicts) cannot be split across CP ranks"
         )
     if cache is not None and cache.get_seq_length() > 0:
         return (
-            f"`{IMPLEMENTATION}`: {type(module).__name__} was called with a KV cache holding tokens; "
+            f"torch_impl.hf: {type(module).__name__} was called with a KV cache holding tokens; "
             "generation with a cache is not supported under CP"
         )
     return None
@@ -60,11 +59,11 @@ def check_text(module, argument, names):
             continue
         if name in TYPE_KEYS:
             return (
-                f"`{IMPLEMENTATION}`: the model was given `{name}` directly; under CP pass it in the "
+                f"torch_impl.hf: the model was given `{name}` directly; under CP pass it in the "
                 "batch to hf.shard_batch, which shards it with the tokens"
             )
         return (
-            f"`{IMPLEMENTATION}`: the model was given `{name}`; under CP a rank takes its shard of a "
+            f"torch_impl.hf: the model was given `{name}`; under CP a rank takes its shard of a "
             "text batch (input_ids or inputs_embeds, attention_mask, position_ids, labels) and the "
             f"batch's images and videos {media.MEDIA_KEYS}: audio and other inputs are not split "
             "across CP ranks"

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from torch_impl import _group, validation
 from torch_impl.hf import input_checks, media
-from torch_impl.hf._common import IMPLEMENTATION, INDEXED, LINEAR, RUNNING, SLIDING, Arguments, Aside, Context
+from torch_impl.hf._common import INDEXED, LINEAR, RUNNING, SLIDING, Arguments, Aside, Context
 from torch_impl.hf.batch import LAYOUT, TYPE_KEYS
 from torch_impl.hf.documents import creates_cache as _creates_cache
 from torch_impl.hf.indexed import IndexedContext
@@ -119,8 +119,10 @@ class ModelInputs:
       and any input besides a text batch's (pixel values, audio features, token type ids, ...).
     - a call whose kwargs `shard_batch` did not make (no `cp_layout`: the whole sequence on every
       rank, as `generate` and quick forwards pass it) runs as one process would (`Aside`): every CP
-      path steps aside for it and nothing is communicated. (A rank that calls with a shard while
-      another calls without waits for it in the cross-rank check: call alike on every rank.)
+      path steps aside for it and nothing is communicated. In training mode with grad enabled it
+      is refused (n > 1): there it is most likely a shard whose mark a loop dropped. (A rank that
+      calls with a shard while another calls without waits for it in the cross-rank check: call
+      alike on every rank.)
     - with `validate` (parallelize's default), the ranks first compare their inputs in one
       all-gather of a few integers (`input_checks.signature`): ranks given different shapes or
       arguments, or one whose own inputs were refused, raise ValueError on every rank instead of
@@ -148,6 +150,14 @@ class ModelInputs:
         kwargs = dict(kwargs)
         given = kwargs.pop(LAYOUT, None)  # shard_batch's mark, naming the layout
         if given is None:  # not a shard: this forward runs as one process would
+            if _group.world_size(self.group) > 1 and module.training and torch.is_grad_enabled():
+                raise ValueError(
+                    f"torch_impl.hf: {type(module).__name__} was called in training, with grad, "
+                    "without the mark of a shard (`cp_layout`): a rank's shard would run as if it "
+                    "were the whole row. Pass every key hf.shard_batch returns, `cp_layout` "
+                    "included, to the model; a whole batch runs as one process in eval mode or "
+                    "under torch.no_grad()"
+                )
             self.outer.append(current)
             RUNNING.context = Aside(self.owner, self.make_mask)
             return None
@@ -194,7 +204,7 @@ class ModelInputs:
         error = error or input_checks.check_text(module, argument, self.arguments.names)
         if error is None and given != self.layout:
             error = (
-                f"`{IMPLEMENTATION}`: the batch was sharded with layout={given!r} but the model was "
+                f"torch_impl.hf: the batch was sharded with layout={given!r} but the model was "
                 f"parallelized with layout={self.layout!r}; pass the same layout to hf.shard_batch and "
                 "hf.parallelize"
             )
@@ -202,10 +212,10 @@ class ModelInputs:
             fields = input_checks.signature(argument, tokens, creates_cache)
             failed, differ = validation.compare_ranks(error is None, fields, tokens, self.group)
             if error is None and failed:
-                error = f"`{IMPLEMENTATION}`: CP ranks {failed} rejected their inputs"
+                error = f"torch_impl.hf: CP ranks {failed} rejected their inputs"
             elif error is None and differ:
                 error = (
-                    f"`{IMPLEMENTATION}`: CP ranks were given different inputs (1: passed, 0: not): "
+                    f"torch_impl.hf: CP ranks were given different inputs (1: passed, 0: not): "
                     f"{differ}; every rank must get its shard of the same global batch "
                     "(torch_impl.hf.shard_batch)"
                 )
@@ -248,7 +258,7 @@ class ModelInputs:
         packed = packed and not creates_cache
         if packed and self.isolates is None:
             raise ValueError(
-                f"`{IMPLEMENTATION}`: packed rows (position_ids without attention_mask) given to "
+                f"torch_impl.hf: packed rows (position_ids without attention_mask) given to "
                 f"{type(module).__name__}, a class torch_impl.hf.documents.ISOLATES does not list, so "
                 "it cannot tell whether one process isolates the documents; give parallelize "
                 "isolate_documents=, pass an attention_mask (the documents then attend across each "
@@ -259,7 +269,7 @@ class ModelInputs:
             documents = packed_ids(everywhere)  # [B, S]
             if images is not None and bool((documents[:, -1] != documents[:, 0]).any()):
                 raise ValueError(
-                    f"`{IMPLEMENTATION}`: packed rows (position_ids restarting, no attention_mask) with "
+                    f"torch_impl.hf: packed rows (position_ids restarting, no attention_mask) with "
                     f"images whose tokens see each other ({module.config.model_type}): transformers' "
                     "sliding masks read the image ids at each document's own positions, which mixes "
                     "documents; pass unpacked rows"

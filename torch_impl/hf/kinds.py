@@ -104,7 +104,7 @@ def _unsupported(layer_types):
 
 
 def refuse(name, module, why):
-    return ValueError(f"torch_impl.hf.parallelize: {name or 'the model'} ({type(module).__name__}) {why}")
+    return ValueError(f"torch_impl.hf: {name or 'the model'} ({type(module).__name__}) {why}")
 
 
 def _check_configs(model, towers, allowed=()):

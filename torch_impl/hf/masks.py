@@ -74,19 +74,20 @@ def shard_mask(
     context = RUNNING.context
     if context is None:
         raise ValueError(
-            f"`{IMPLEMENTATION}`: the model's masks were made without the CP context that "
+            "torch_impl.hf: the model's masks were made without the CP context that "
             "torch_impl.hf.parallelize's pre-hook makes: the model was called through a module the "
             "adapter did not hook, so its positions and padding would be this rank's alone"
         )
     if q_offset != 0 or kv_offset != 0 or kv_length != q_length:
         raise ValueError(
-            f"`{IMPLEMENTATION}` cannot attend over a KV cache (generation): the model asked for "
-            f"{q_length} queries over {kv_length} keys at offsets {q_offset}, {kv_offset}"
+            f"torch_impl.hf: `{IMPLEMENTATION}` cannot attend over a KV cache (generation): the model "
+            f"asked for {q_length} queries over {kv_length} keys at offsets {q_offset}, {kv_offset}"
         )
     if use_vmap:
         raise ValueError(
-            f"`{IMPLEMENTATION}` supports causal and sliding-window masks (and packed sequences) only: this "
-            "model asked for a mask overlay (bidirectional or blockwise tokens, or a non-causal config)"
+            f"torch_impl.hf: `{IMPLEMENTATION}` supports causal and sliding-window masks (and packed "
+            "sequences) only: this model asked for a mask overlay (bidirectional or blockwise tokens, "
+            "or a non-causal config)"
         )
     chunked = local_size is not None and local_size == getattr(
         kwargs.get("config"), "attention_chunk_size", None
@@ -110,7 +111,7 @@ def make_mask(context, attention_mask, window, documents):
         reach = documents.layer_reach(window)
     if attention_mask is not None and context.padding is None:
         raise ValueError(
-            f"`{IMPLEMENTATION}`: the model made its masks from an attention_mask that its inputs did "
+            "torch_impl.hf: the model made its masks from an attention_mask that its inputs did "
             "not have, whose other shards this rank cannot know"
         )
     padding = None if attention_mask is None else context.padding  # bool [B, S]

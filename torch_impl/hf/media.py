@@ -3,7 +3,9 @@
 `shard_batch` gives every rank the batch's media whole (pixel values, grids, image sizes: a few
 bytes a pixel, no activations) and its shard of the token ids and token types. In the forward,
 rank r encodes its share of the items (images, videos; Qwen's split into frames): contiguous,
-balanced by pixel count, so about 1/n of the vision tower's work. The features (and Qwen3-VL's
+balanced by pixel count, so about 1/n of the vision tower's work (a rank without a share encodes
+the first item and keeps none of it: the tower runs, and gets gradients, on every rank, as FSDP2
+and DDP need). The features (and Qwen3-VL's
 deepstack features) are all-gathered, and the rank keeps those of its own placeholder tokens, in
 the order the model's `masked_scatter` fills them; in backward the all-gather's reduce-scatter
 returns to each encoding rank the gradients of every rank's tokens, so the vision tower and the
@@ -15,6 +17,7 @@ mRoPE's 3-D positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, Qwen4, Cosmos 3 
 this rank's rows of them.
 """
 
+import functools
 import inspect
 from types import SimpleNamespace
 from typing import NamedTuple
@@ -23,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from torch_impl import _group
-from torch_impl.hf._common import IMPLEMENTATION, Images
+from torch_impl.hf import upstream
+from torch_impl.hf._common import Images
 from torch_impl.metadata import gather_metadata
 from torch_impl.sequence import gather_sequence
 
@@ -66,6 +70,8 @@ VIDEOS = (
 # included: `images` numbers them, the attention fetches each image's rest and attends on their
 # rule (torch_impl.hf.attention.attend_images)
 BLOCKWISE = ("gemma3",)
+# the dtypes an encoder's features may have, numbered for the ranks' one exchange of their sizes
+FEATURE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def given(argument, names):
@@ -80,12 +86,12 @@ def refusal(module, argument, media):
     if model_type not in VERIFIED or videos and model_type not in VIDEOS:
         kind, verified = ("videos", VIDEOS) if model_type in VERIFIED else ("vision inputs", VERIFIED)
         return (
-            f"`{IMPLEMENTATION}`: {type(module).__name__} was given {media}: {model_type} its {kind} "
+            f"torch_impl.hf: {type(module).__name__} was given {media}: {model_type} its {kind} "
             f"are not verified under CP; they are split across CP ranks for {', '.join(verified)}"
         )
     if argument("input_ids") is None:
         return (
-            f"`{IMPLEMENTATION}`: images and videos under CP need input_ids (their placeholder tokens "
+            "torch_impl.hf: images and videos under CP need input_ids (their placeholder tokens "
             "locate the features), not inputs_embeds"
         )
     return None
@@ -106,7 +112,7 @@ def inputs(module, argument, ids, types, padding, rows, group):
         placeholder = ids == _token_id(module.config, modality)  # [B, S]
         if placeholder.sum() != features.shape[0]:
             raise ValueError(
-                f"`{IMPLEMENTATION}`: the batch has {int(placeholder.sum())} {name} placeholder tokens and "
+                f"torch_impl.hf: the batch has {int(placeholder.sum())} {name} placeholder tokens and "
                 f"its {name}s {features.shape[0]} features"
             )
         order = placeholder.flatten().cumsum(0).view_as(placeholder) - 1  # [B, S]: feature of each
@@ -128,10 +134,12 @@ def images(module, types, shard):
     """For a family in BLOCKWISE, whose images' tokens see each other: its Images (each token's
     image numbered as transformers' get_block_sequence_ids_for_mask does: runs of image tokens;
     per global chunk how far its last token's image runs on past its end, the most over the
-    batch's rows; the chunks holding image tokens), in one host read; else None. types: the
+    batch's rows; the chunks holding image tokens), in one host read; else None (ValueError where
+    the installed transformers numbers them otherwise: torch_impl.hf.upstream). types: the
     gathered `token_type_ids` [B, S] (the types the model's masks read), or None."""
     if types is None or getattr(module.config, "model_type", None) not in BLOCKWISE:
         return None
+    upstream.check("torch_impl.hf.media.images")
     image = types == 1  # [B, S]
     starts = image & ~F.pad(image, (1, 0))[:, :-1]
     ids = torch.where(image, starts.long().cumsum(dim=1) - 1, -1)  # [B, S]
@@ -170,7 +178,7 @@ def _token_id(config, modality):
         if getattr(config, key, None) is not None:
             return getattr(config, key)
     raise ValueError(
-        f"`{IMPLEMENTATION}`: the config names no placeholder token ({' or '.join(modality.token_ids)})"
+        f"torch_impl.hf: the config names no placeholder token ({' or '.join(modality.token_ids)})"
     )
 
 
@@ -197,6 +205,11 @@ def _encode(module, modality, pixels, argument, group):
         grid[:, 0] = 1
     rows = grid.prod(-1) if grid is not None else torch.ones(len(pixels), dtype=torch.long)  # [items]
     lo, hi = share(rows.tolist(), n)[r]
+    # a rank without a share encodes the first item and keeps none of it, so that the encoder runs
+    # on every rank (FSDP2 gathers its parameters on each; DDP waits for their gradients: zeros here)
+    kept = hi > lo
+    if not kept and len(rows):
+        lo, hi = 0, 1
     x = None
     if hi > lo:
         start, stop = int(rows[:lo].sum()), int(rows[:hi].sum())
@@ -215,12 +228,18 @@ def _encode(module, modality, pixels, argument, group):
         pooled = out.pooler_output if as_tensor else torch.cat(list(out.pooler_output))
         deep = [torch.cat(list(f)) for f in getattr(out, "deepstack_features", None) or []]
         x = torch.cat([pooled.flatten(0, -2), *deep], dim=-1)  # [tokens, W]
+        x = x if kept else x[:0]  # [0, W]: none kept, a zero gradient back through the encoder
     embeddings = module.get_input_embeddings().weight
-    mine = [0, 0, 0, 0] if x is None else [*x.shape, x.requires_grad, as_tensor]
-    sizes = gather_metadata(torch.tensor([[mine]], device=embeddings.device), group)[0]  # [n, 4]
-    M, W, grad, as_tensor = (int(v) for v in sizes.amax(dim=0))  # (tokens, width, grad, a tensor)
-    if x is None:
-        x = embeddings.new_zeros(0, W)
+    kind = 0 if x is None else 1 + FEATURE_DTYPES.index(x.dtype)  # 0: encoded nothing
+    mine = [0, 0, 0, 0, 0] if x is None else [*x.shape, x.requires_grad, as_tensor, kind]
+    sizes = gather_metadata(torch.tensor([[mine]], device=embeddings.device), group)[0]  # [n, 5]
+    M, W, grad, as_tensor, _ = (int(v) for v in sizes.amax(dim=0))  # (tokens, width, grad, a tensor)
+    # one dtype on the wire: what the encoding ranks made (under autocast, the projector's, which
+    # may not be the embeddings'), promoted where they differ; a rank that encoded nothing sends it
+    dtype = functools.reduce(
+        torch.promote_types, [FEATURE_DTYPES[k - 1] for k in set(sizes[:, 4].tolist()) - {0}]
+    )
+    x = embeddings.new_zeros(0, W, dtype=dtype) if x is None else x.to(dtype)
     padded = F.pad(x, (0, W - x.shape[1], 0, M - x.shape[0]))[None]  # [1, M, W]
     if grad and not padded.requires_grad and torch.is_grad_enabled():  # every rank joins backward
         padded = padded.detach().requires_grad_()

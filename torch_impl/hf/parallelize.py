@@ -20,7 +20,7 @@ from torch_impl.hf.documents import OneRankDocuments, isolates_documents
 from torch_impl.hf.heads import apply_head, check_head
 from torch_impl.hf.inputs import MaskCountPositions, ModelInputs, PaddingIndexPositions, Positions
 from torch_impl.hf.kinds import HYBRID, SHORT_CONVS, refuse, token_conv_of, walk
-from torch_impl.hf.recurrent import apply_recurrent, is_known, is_short_conv, refusal
+from torch_impl.hf.recurrent import apply_recurrent, is_known, is_short_conv, recurrence_of
 from torch_impl.layout import check as check_layout
 
 # model types whose position_ids default to a count of real tokens (their learned position embeddings)
@@ -231,8 +231,9 @@ def _one_rank(model, isolates):
     if getattr(model, "cp_transport_paths", None) is not None:
         raise refuse("", model, "is already parallelized")
     for module in linear:
-        if refusal(module):
-            raise refuse("", module, refusal(module))
+        why = recurrence_of(module).why(module)
+        if why:
+            raise refuse("", module, why)
     for module in hooked:
         hook = OneRankDocuments(module, id(model))
         module.register_forward_pre_hook(hook, with_kwargs=True)

@@ -1,6 +1,7 @@
 """The adapter's one rebinding: a module's forward run with some of the global functions it calls
-replaced (torch_impl.hf.recurrent's causal convs and chunked kernels), and what stands behind those
-functions in transformers.
+replaced (torch_impl.hf.recurrent's causal convs and chunked kernels; TRL's GRPO and RLOO methods
+that call accelerate's module-level gathers, torch_impl.hf.rl.rebound), and what stands behind
+those functions in transformers.
 
 transformers has no substitution point for them: its kernel dispatchers
 (`use_kernel_func_from_hub_with_fallback`) pick their implementation once, when the model's module

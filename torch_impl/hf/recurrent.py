@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 from torch import nn
 
+from torch_impl.hf import upstream
 from torch_impl.hf.cca import CCAHalo, is_cca
 from torch_impl.hf.chunked import ChunkState, ConvHalo, Unfused
 from torch_impl.hf.mlstm import MLSTMState, check_mlstm, is_mlstm
@@ -131,6 +132,17 @@ def _griffin(module, group, layout):
     module.rg_lru._rnn_scan = DiagonalScan(module.rg_lru._rnn_scan, group, layout, halo.packed)
 
 
+def _restated(name):
+    """A kind's refusal where its CP version restates the model's code (torch_impl.hf.upstream):
+    why, where the installed release's source is not the one it restates."""
+
+    def why(module):
+        changed = upstream.differs(name)
+        return None if changed is None else f"is made CP by a restatement of its code: {changed}"
+
+    return why
+
+
 def _forward(cls):
     """Making a module CP by replacing its forward with `cls(module, group, layout)`."""
 
@@ -219,6 +231,7 @@ RECURRENCES = (
         is_lightning,
         _forward(LightningAttention),
         "its block loop from zero per chunk, corrected by the earlier chunks' state (gather_state)",
+        _restated("torch_impl.hf.scans.LightningAttention"),
     ),
     Recurrence(
         "xLSTM's mLSTM",

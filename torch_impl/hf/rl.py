@@ -16,25 +16,26 @@ A replica's CP ranks stand for one process of the run over dp processes. So here
   accelerator seen as the dp-only run's (`whole_rows.as_replicas`: its gathers over the dp
   replicas, one CP rank each, its process index and count the replica's) and the model's fused
   LM head calls with whole rows made CP (`whole_rows.hook`: the rows sharded, the per-token
-  outputs gathered back over the row). TRL's module-level gathers (the rewards, the completions
-  table) are cut to one CP rank per replica (`one_per_replica`, `as_replicas`).
-- **RLOO** gathers each row's KL penalty with accelerate's module-level `gather` where it scores
-  its completions, over every process; so its scoring is restated (`rloo_scored`, TRL 1.16's for
-  text prompts) with that gather over the replicas. Its loss is TRL's own.
+  outputs gathered back over the row). Where TRL gathers with accelerate's module-level
+  `gather` / `gather_object` instead (the rewards; RLOO's each row's KL penalty; the completions
+  table), its method runs with those names bound to the gathers over the replicas (`rebound`,
+  through torch_impl.hf.rebind, which checks the names on the method's bytecode: a TRL release
+  that changes them is refused, not run).
 
 `refusal` names what is not made exact.
 """
 
-from collections import defaultdict
-import contextlib
 import copy
+import functools
 import random
+import types
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from torch_impl.hf import whole_rows
+from torch_impl.hf.rebind import global_loads, rebind
 
 
 def refusal(args, trainer=None):
@@ -61,10 +62,41 @@ def refusal(args, trainer=None):
 def replica_config(args, cp_size):
     """A copy of a GRPOConfig or RLOOConfig whose generation batch counts the dp replicas' rows, as
     the run over dp processes has it for the same per-device batch and steps per generation (TRL's
-    counts every process: dp x cp)."""
+    counts every process: dp x cp). TRL's config checked its batches over every process; they are
+    checked again over the replicas first (`batch_refusal`)."""
     args = copy.copy(args)
     args.generation_batch_size //= cp_size
     return args
+
+
+def batch_refusal(args, cp_size):
+    """Why TRL's divisibility checks of a GRPOConfig or RLOOConfig (`__post_init__`, over
+    `args.world_size` processes) fail over its dp replicas, world_size / cp_size, as they would in
+    the dp-only run: each prompt's group of num_generations completions must fit whole in a
+    generation batch, and in an evaluation batch where the config evaluates; None if they pass."""
+    world = args.world_size
+    if world % cp_size:
+        return f"`cp_size` ({cp_size}) must divide the number of processes ({world}): the world is dp x cp"
+    dp = world // cp_size
+    rows, G, B = args.generation_batch_size // cp_size, args.num_generations, args.per_device_train_batch_size
+    if rows % G:
+        return (
+            f"cp_size={cp_size} over {world} processes leaves {dp} data-parallel replica(s), whose "
+            f"generation batch of {rows} rows (per_device_train_batch_size {B} x {dp} replica(s) x "
+            f"steps_per_generation {args.steps_per_generation}) must be divisible "
+            f"by num_generations ({G}): raise per_device_train_batch_size or steps_per_generation, "
+            "lower num_generations or cp_size"
+        )
+    G = args.num_generations_eval or args.num_generations
+    rows = args.per_device_eval_batch_size * dp
+    if args.do_eval and args.eval_strategy != "no" and rows % G:
+        return (
+            f"cp_size={cp_size} over {world} processes leaves {dp} data-parallel replica(s), whose "
+            f"evaluation batch of {rows} rows (per_device_eval_batch_size {args.per_device_eval_batch_size} "
+            f"x {dp} replica(s)) must be divisible by the evaluation's num_generations ({G}): raise "
+            "per_device_eval_batch_size, lower num_generations_eval or cp_size"
+        )
+    return None
 
 
 # --- generation: the replica's ranks agree, and TRL's gathers see the replicas -----------------
@@ -93,159 +125,60 @@ def agree(t, completion_ids):
     return sent[0]
 
 
-def one_per_replica(t, gathered):
-    """What a gather over every process returned ([processes * n, ...], by rank), one CP rank's
-    part per replica: [dp * n, ...], as the gather over the dp-only run's processes."""
-    if t.cp_size == 1:
-        return gathered
-    return gathered.unflatten(0, (dist.get_world_size(), -1))[:: t.cp_size].flatten(0, 1)
+# --- TRL's scoring as TRL runs it, its module-level gathers over the replicas -----------------
+
+# accelerate's module-level collectives that TRL's trainers import; a method of REBOUND's that
+# loads one it does not rebind is refused (a new release gathering something new over every process)
+COLLECTIVES = frozenset({"gather", "gather_object", "broadcast", "broadcast_object_list", "reduce"})
+# per trainer, its methods that call accelerate's module-level gathers over every process (the
+# rewards; RLOO's each row's KL penalty; the completions table's prompts and completions), and
+# those names, rebound to the gathers over the dp replicas
+REBOUND = {
+    "GRPOTrainer": {"_generate_and_score_completions": ("gather_object",), "_calculate_rewards": ("gather",)},
+    "RLOOTrainer": {
+        "_generate_and_score_completions": ("gather", "gather_object"),
+        "_calculate_rewards": ("gather",),
+    },
+}
 
 
-LOGGED_PER_PROCESS = ("prompt", "completion", "images")  # what TRL logs through gather_object
+def replica_gathers(t):
+    """accelerate's `gather` and `gather_object` as the dp-only run's processes see them: over the
+    dp replicas, one CP rank each, in the replicas' order ([dp * n, ...]; each replica's list, one
+    after another)."""
+
+    def gather_object(obj):
+        if t.cp_size == 1:
+            from accelerate.utils import gather_object as over_every_process
+
+            return over_every_process(obj)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, obj)  # by rank
+        return [item for replica in every[:: t.cp_size] for item in replica]
+
+    return {"gather": functools.partial(t._gather_replicas, cut=False), "gather_object": gather_object}
 
 
-@contextlib.contextmanager
-def as_replicas(t):
-    """Run TRL's generation and scoring code as the dp-only run's: the accelerator seen over the
-    replicas, and what TRL's gather_object adds to its completions table (a list per process, by
-    rank) cut to one CP rank per replica."""
-    logs = t._logs
-    t._logs = {key: defaultdict(list) if isinstance(value, dict) else [] for key, value in logs.items()}
-    try:
-        with whole_rows.as_replicas(t):
-            yield
-    finally:
-        added, t._logs = t._logs, logs
-    processes = dist.get_world_size() if dist.is_initialized() else 1
-
-    def cut(values):  # [processes * n] by rank -> one CP rank's n per replica
-        n = len(values) // processes
-        return [v for p in range(0, processes, t.cp_size) for v in values[p * n : (p + 1) * n]]
-
-    for key in LOGGED_PER_PROCESS:
-        logs[key].extend(cut(added[key]))
-    for column, values in added["extra"].items():
-        logs["extra"][column].extend(cut(values))
-    for name, values in added["rewards"].items():  # from the rewards, already one per replica
-        logs["rewards"][name].extend(values)
-    logs["advantages"].extend(added["advantages"])
-
-
-# --- RLOO: its scoring gathers each row's KL over every process, so it is restated -------------
-
-
-def rloo_scored(t, inputs):
-    """TRL 1.16's RLOOTrainer._generate_and_score_completions for text prompts (a vision-language
-    model is refused), run under `as_replicas`: the rows scored whole through TRL's own
-    `_get_per_token_logps_and_entropies` (the hooked fused LM head), each row's KL penalty gathered
-    over the dp replicas where TRL gathers it over every process; all else as TRL computes it."""
-    from accelerate.utils import gather_object
-    from trl.models.utils import disable_gradient_checkpointing
-    from trl.trainer.utils import nanstd, pad, use_adapter
-
-    device = t.accelerator.device
-    mode = "train" if t.model.training else "eval"
-    prompts = [x["prompt"] for x in inputs]
-    prompt_ids_list, completion_ids_list, completions = t._generate(prompts)
-
-    def padded(rows, value, side):
-        rows = [torch.tensor(row) for row in rows]
-        multiple = t.pad_to_multiple_of
-        return pad(rows, padding_value=value, padding_side=side, pad_to_multiple_of=multiple).to(device)
-
-    pad_id = t._tokenizer.pad_token_id
-    prompt_ids = padded(prompt_ids_list, pad_id, "left")
-    prompt_mask = padded([[1] * len(ids) for ids in prompt_ids_list], 0, "left")
-    completion_ids = padded(completion_ids_list, pad_id, "right")
-    completion_mask = padded([[1] * len(ids) for ids in completion_ids_list], 0, "right")
-    if t.mask_truncated_completions:
-        eos_and_pad = [*t.eos_token_ids, pad_id]
-        ended = torch.tensor([row[-1] in eos_and_pad for row in completion_ids_list], device=device)
-        completion_mask = completion_mask * ended.unsqueeze(1).int()  # truncated rows masked out
-    ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attention = torch.cat([prompt_mask, completion_mask], dim=1)
-    C = completion_ids.size(1)
-    batch_size = t.args.per_device_train_batch_size if mode == "train" else t.args.per_device_eval_batch_size
-
-    def scores(model):  # [B, C]: the completion tokens' log-probs
-        return t._get_per_token_logps_and_entropies(model, ids, attention, C, batch_size)[0]
-
-    with torch.no_grad(), disable_gradient_checkpointing(t.model, t.args.gradient_checkpointing_kwargs):
-        old = scores(t.model)
-        old_logps = (old * completion_mask).sum(1)  # [B]
-        if t.beta != 0.0:
-            if t.ref_model is not None:
-                ref = scores(t.ref_model)
-            else:  # PEFT: the adapter off (or the initial copy TRL loaded as "ref")
-                model = t.accelerator.unwrap_model(t.model)
-                with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
-                    ref = scores(t.model)
-
-    rewards_per_func = t._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-    num_generations = t.num_generations if mode == "train" else t.num_generations_eval
-    unscorable = torch.isnan(rewards_per_func).all(dim=1)
-    rewards = (rewards_per_func * t.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
-    rewards[unscorable] = torch.nan
-    if t.reward_clip_range:
-        rewards = rewards.clamp(min=t.reward_clip_range[0], max=t.reward_clip_range[1])
-    if t.beta != 0.0:  # RLOO's KL penalty in the reward: a row's first-order log-ratio sum
-        per_token_kl = old - ref
-        kl = t.accelerator.gather((per_token_kl * completion_mask).sum(-1))  # over the replicas
-        rewards = rewards - t.beta * kl
-
-    grouped = rewards.view(-1, num_generations)
-    std_rewards = nanstd(grouped, dim=1) if num_generations > 1 else torch.zeros_like(grouped[:, 0])
-    scorable = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
-    if num_generations > 1:  # the leave-one-out baseline over a group's scorable siblings
-        baselines = (torch.nansum(grouped, dim=1, keepdim=True) - grouped) / (scorable - 1)
-        advantages = rewards - baselines.view(-1)
-    else:
-        advantages = torch.zeros_like(rewards)
-    if t.normalize_advantages:
-        advantages = (advantages - torch.nanmean(advantages)) / (nanstd(advantages) + 1e-4)
-    advantages = torch.nan_to_num(advantages, nan=0.0)
-    is_std_zero = torch.isclose(std_rewards, torch.zeros_like(std_rewards))
-    index = t.accelerator.process_index  # the replica's
-    all_advantages = advantages.clone()
-    advantages = advantages[index * len(prompts) : (index + 1) * len(prompts)]
-
-    metrics = t._metrics[mode]
-    if t.beta != 0.0:  # TRL's reduce over every process: here over the replicas
-        totals = torch.stack([(per_token_kl * completion_mask).sum(), completion_mask.sum().to(old.dtype)])
-        totals = t.accelerator.gather(totals[None]).sum(0)
-        metrics["kl"].append((totals[0] / totals[1].clamp(min=1.0)).item())
-    for i, name in enumerate(t.reward_func_names):
-        metrics[f"rewards/{name}/mean"].append(torch.nanmean(rewards_per_func[:, i]).item())
-        metrics[f"rewards/{name}/std"].append(nanstd(rewards_per_func[:, i]).item())
-    rewards = (rewards_per_func * t.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
-    rewards[unscorable] = torch.nan
-    metrics["reward"].append(torch.nanmean(rewards).item())
-    metrics["reward_std"].append(nanstd(rewards).item())
-    metrics["frac_reward_zero_std"].append(is_std_zero.float().mean().item())
-
-    t._logs["prompt"].extend(gather_object(prompts))  # by rank: `as_replicas` keeps one per replica
-    t._logs["completion"].extend(gather_object(completions))
-    for i, name in enumerate(t.reward_func_names):
-        t._logs["rewards"][name].extend(rewards_per_func[:, i].tolist())
-    t._logs["advantages"].extend(all_advantages.tolist())
-    for column in sorted(set(gather_object(list(t._pending_extra_logs)))):  # the reward functions'
-        values = t._pending_extra_logs.get(column, [None] * len(prompts))
-        t._logs["extra"][column].extend(gather_object(values))
-    t._pending_extra_logs.clear()
-    for name in sorted(set(gather_object(list(t._pending_metrics)))):
-        values = t._pending_metrics.get(name, [])
-        stats = torch.tensor([sum(values), len(values)], dtype=torch.float32, device=device)
-        total, count = t.accelerator.gather(stats).view(-1, 2).sum(dim=0).tolist()
-        metrics[name].append(total / count)
-    t._pending_metrics.clear()
-    return {
-        "prompt_ids": prompt_ids,
-        "prompt_mask": prompt_mask,
-        "completion_ids": completion_ids,
-        "completion_mask": completion_mask,
-        "old_logps": old_logps,
-        "advantages": advantages,
-    }
-
-
-SCORED = {"RLOOTrainer": rloo_scored}  # the trainers whose generation and scoring is restated here
+def rebound(t, trainer):
+    """{name: bound method of t} for each of REBOUND's methods of `trainer` (TRL's class): TRL's own
+    code, its module-level gathers the replicas' (torch_impl.hf.rebind: ValueError, naming it,
+    where the method no longer loads a name, or loads one of COLLECTIVES that is not rebound)."""
+    gathers, methods = replica_gathers(t), {}
+    for name, names in REBOUND[trainer.__name__].items():
+        function = getattr(trainer, name)
+        unbound = sorted((global_loads(function) & COLLECTIVES) - set(names))
+        if unbound:
+            raise ValueError(
+                f"torch_impl.hf: TRL's {trainer.__name__}.{name} calls accelerate's {unbound} over "
+                "every process, which the mixin does not see over the dp replicas (this TRL release "
+                "is not the one tested)"
+            )
+        try:
+            rebound_function = rebind(function, {key: gathers[key] for key in names})
+        except ValueError as error:  # a name it no longer loads, or a decorator rebind cannot keep
+            raise ValueError(
+                f"torch_impl.hf: TRL's {trainer.__name__}.{name} cannot run with its gathers over the dp "
+                f"replicas: {error} (this TRL release is not the one tested)"
+            ) from error
+        methods[name] = types.MethodType(rebound_function, t)
+    return methods

@@ -172,7 +172,9 @@ class LightningAttention:
     zero (`from_zero`), gather_state folds the earlier chunks' (exp(-s C), B) with S as [1, D * D],
     and the correction is added before the module's norm over the heads (which is not linear),
     gate and output projection. The decays are the module's buffers, in their dtype (at least
-    float32). An unsharded call runs the module's own forward."""
+    float32). An unsharded call runs the module's own forward. A restatement of transformers'
+    MiniMaxLightningAttention.forward: its kind refuses a layer where the installed source is not
+    the one restated here (torch_impl.hf.upstream)."""
 
     def __init__(self, module, group, layout):
         self.module, self.group, self.layout, self.packed = module, group, layout, Packed(group)

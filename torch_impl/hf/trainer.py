@@ -74,6 +74,30 @@ def _keep_collectives_in_checkpoints(model):
     model.activation_checkpointing_enable = activation_checkpointing_enable
 
 
+class ShardSums:
+    """The trainer's accelerator where each CP rank's values are its shard's part of a sum over the
+    replica's tokens (TRL's SFTTrainer's token counts and its entropy and accuracy sums):
+    `gather_for_metrics` sums them over the CP group, then gathers over the dp replicas (the last
+    batch cut as accelerate cuts it over dp processes), as the dp-only run's process gathers its
+    whole rows' sums; all else the accelerator's own (`world`)."""
+
+    def __init__(self, t):
+        self.world, self._t = t.accelerator, t
+
+    def __getattr__(self, name):
+        return getattr(self.world, name)
+
+    def gather_for_metrics(self, tensor, use_gather_object=False):
+        if use_gather_object or not hasattr(tensor, "shape"):
+            raise ValueError(
+                "torch_impl.hf: gather_for_metrics of objects is not summed over a replica's CP "
+                f"ranks; got {type(tensor).__name__}"
+            )
+        summed = tensor.detach().clone()
+        dist.all_reduce(summed, group=self._t.cp_group)  # the replica's sum
+        return self._t._gather_replicas(summed)
+
+
 class ContextParallelMixin:
     """Context parallelism for a `transformers.Trainer` subclass (TRL's `SFTTrainer` included).
 
@@ -81,14 +105,17 @@ class ContextParallelMixin:
     class's arguments plus `cp_size` (CP ranks per data-parallel replica; it must divide the world
     size) and `cp_layout` ("contiguous" or "head_tail", as `hf.parallelize`). A run over dp x cp
     processes then equals the same trainer over dp processes without CP: logged `loss` and
-    `grad_norm`, `evaluate()`'s `eval_loss`, the parameters after every step (gradient
+    `grad_norm`, `evaluate()`'s `eval_loss`, every other metric logged (`num_input_tokens_seen`
+    counted once per replica; SFTTrainer's `num_tokens` without the mixin's padding, its entropy
+    and token accuracy summed over the CP ranks: ShardSums), the parameters after every step (gradient
     accumulation, padded rows of any length, packed rows, TRL's defaults: bf16 autocast and
     activation checkpointing, which then keeps the transport's and the attention's outputs as
     `hf.checkpoint_kwargs()` does; rows streamed from an IterableDataset with
     `accelerator_config={"dispatch_batches": False}`); TRL's RewardTrainer, DPOTrainer,
     KTOTrainer, GRPOTrainer and RLOOTrainer likewise, every metric they log. Refused with
     ValueError (every rank, before the first step): TRL's other trainers (check_trainer), the
-    options that torch_impl.hf.whole_rows.refusal and torch_impl.hf.rl.refusal name, a sequence
+    options that torch_impl.hf.whole_rows.refusal and torch_impl.hf.rl.refusal name, GRPO's and
+    RLOO's batches that hold no whole prompt group over the dp replicas (rl.batch_refusal), a sequence
     classification model outside RewardTrainer, accelerate's own CP/SP/TP, FSDP1 and DeepSpeed,
     label smoothing, a `compute_loss_func`, `compute_metrics` and `preprocess_logits_for_metrics`
     (they would see each rank's slice of the logits), a MoE router's auxiliary loss (TRL switches
@@ -106,6 +133,9 @@ class ContextParallelMixin:
         rollouts = trl is not None and trl.__name__ in ROLLOUTS
         if rollouts:
             args, kwargs = rollout_config(trl.__name__, cp_size, args, kwargs)
+        # DPO's and KTO's reference log-probs, which TRL's __init__ precomputes: after the model is
+        # made CP (_precompute_ref_logps)
+        self.cp_deferred = [] if cp_size > 1 else None
         super().__init__(*args, **kwargs)
         world = self.accelerator.num_processes
         if world % cp_size:
@@ -117,12 +147,15 @@ class ContextParallelMixin:
         self.cp_row_loss = trl is not None and trl.__name__ in ROW_LOSSES
         self.cp_whole_row_loss = trl is not None and trl.__name__ in WHOLE_ROWS
         self.cp_whole_rows = False  # whole_rows.as_replicas sets it for the loss
+        self.cp_counts_rows = trl is not None and trl.__name__ == "SFTTrainer"  # metrics: ShardSums
         self.cp_rollouts = rollouts
         self.dp_size, self.dp_index = world // cp_size, self.accelerator.process_index // cp_size
+        self.cp_rebound = {}  # GRPO's and RLOO's methods that gather, rebound over the replicas
         if rollouts:  # TRL seeds process p with seed + p: a replica's CP ranks as the dp-only process
             from accelerate.utils import set_seed
 
             set_seed(self.args.seed + self.dp_index)
+            self.cp_rebound = rl.rebound(self, trl)
         self.cp_group = None
         if cp_size > 1:
             device = "cuda" if self.args.device.type == "cuda" else "cpu"
@@ -138,6 +171,34 @@ class ContextParallelMixin:
                 if scorer is not None:
                     self.cp_hooks += whole_rows.hook(self, self.accelerator.unwrap_model(scorer))
         _keep_collectives_in_checkpoints(self.model)
+        self._precompute_deferred()
+
+    # --- DPO's and KTO's reference log-probs, precomputed as the training step scores -----------
+
+    def _precompute_ref_logps(self, dataset, name, batch_size):
+        """TRL's pass of the reference model over a dataset (`precompute_ref_log_probs`). Called in
+        TRL's __init__, before the model is made CP: deferred (the dataset returned as it is, run
+        by _precompute_deferred). Under CP: TRL's own pass with the accelerator seen over the dp
+        replicas (its loader's rows sharded over them, its gathers over them), the reference's
+        fused-head calls sharded over the CP ranks (whole_rows.hook), so that a rank holds one
+        shard's activations, as in a training step, not a whole row's."""
+        if getattr(self, "cp_deferred", None) is not None:
+            self.cp_deferred.append((dataset, name, batch_size))
+            return dataset
+        with whole_rows.as_replicas(self) if self.cp_size > 1 else contextlib.nullcontext():
+            return super()._precompute_ref_logps(dataset, name, batch_size)
+
+    def _precompute_deferred(self):
+        """The reference passes TRL's __init__ asked for, each dataset replaced where TRL put it."""
+        deferred, self.cp_deferred = self.cp_deferred, None
+        for dataset, name, batch_size in deferred or ():
+            done = self._precompute_ref_logps(dataset, name, batch_size)
+            if self.train_dataset is dataset:
+                self.train_dataset = done
+            if isinstance(self.eval_dataset, dict):
+                self.eval_dataset = {k: done if v is dataset else v for k, v in self.eval_dataset.items()}
+            elif self.eval_dataset is dataset:
+                self.eval_dataset = done
 
     # --- rows: every CP rank of a replica the same ----------------------------------------------
 
@@ -155,7 +216,7 @@ class ContextParallelMixin:
         if not hasattr(sharded, "process_index"):
             dispatched = type(loader).__name__ == "DataLoaderDispatcher"
             raise ValueError(
-                "ContextParallelMixin: the dataloader is not sharded by accelerate's BatchSamplerShard "
+                "torch_impl.hf: the dataloader is not sharded by accelerate's BatchSamplerShard "
                 f"or IterableDatasetShard (got {type(loader).__name__}); the CP ranks of a replica could "
                 "not be given the same rows"
                 + (
@@ -183,13 +244,21 @@ class ContextParallelMixin:
         local = self.shard(inputs)
         if self.cp_size == 1 or self.cp_row_loss:  # the replica's loss on every CP rank
             return super().compute_loss(model, local, return_outputs, num_items_in_batch)
+        with self._shard_sums() if self.cp_counts_rows else contextlib.nullcontext():
+            return self._shard_loss(model, inputs, local, return_outputs, num_items_in_batch)
+
+    def _shard_loss(self, model, inputs, local, return_outputs, num_items_in_batch):
+        """compute_loss on this rank's shard `local` of `inputs`: its share of the replica's loss."""
         if model.training:
             if num_items_in_batch is None:  # each rank's loss would be its own slice's mean
                 raise ValueError(
-                    "ContextParallelMixin: a training loss without `num_items_in_batch` cannot be made the "
+                    "torch_impl.hf: a training loss without `num_items_in_batch` cannot be made the "
                     "replica's token mean"
                 )
-            return super().compute_loss(model, local, return_outputs, num_items_in_batch)
+            result = super().compute_loss(model, local, return_outputs, num_items_in_batch)
+            if self.cp_counts_rows and "attention_mask" not in inputs and "position_ids" in inputs:
+                self._uncount_padding(inputs["position_ids"].shape[1], local["position_ids"].shape[1])
+            return result
         # evaluation: every CP rank gives the loss a dp-only run's rank gives for its replica's batch
         result = super().compute_loss(model, local, return_outputs, num_items_in_batch)
         loss, outputs = result if return_outputs else (result, None)
@@ -204,6 +273,30 @@ class ContextParallelMixin:
             loss = loss / self.cp_size
         return (loss, outputs) if return_outputs else loss
 
+    @contextlib.contextmanager
+    def _shard_sums(self):
+        """Within: the trainer's accelerator a ShardSums (TRL's SFTTrainer's metrics: sums over a
+        shard's tokens)."""
+        before, self.accelerator = self.accelerator, ShardSums(self)
+        try:
+            yield
+        finally:
+            self.accelerator = before
+
+    def _uncount_padding(self, S, L):
+        """TRL's SFTTrainer counts a padding-free batch's tokens (`num_tokens`) as its processes'
+        position_ids lengths: under CP a replica's ranks' L add up to its row padded by the mixin
+        (cp L >= S), so the padding is taken back out, summed over the replicas."""
+        added = torch.tensor([self.cp_size * L - S], device=self.args.device)
+        self._total_train_tokens -= int(self._gather_replicas(added, cut=False).sum()) // self._tp_size
+        self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+
+    def _track_num_input_tokens(self, inputs):
+        """The trainer's `num_input_tokens_seen`: the whole batch's tokens, which every CP rank of a
+        replica holds, counted once per replica (its gather over the replicas)."""
+        with whole_rows.as_replicas(self) if self.cp_size > 1 else contextlib.nullcontext():
+            return super()._track_num_input_tokens(inputs)
+
     def evaluation_loop(self, *args, **kwargs):
         if self.cp_size > 1:
             self.gather_function = self._gather_replicas  # the trainer resets it when the loop ends
@@ -215,7 +308,7 @@ class ContextParallelMixin:
         the last batch cut to the dataset's remainder as accelerate's gather_for_metrics does over
         dp processes."""
         accelerator = self.accelerator
-        while isinstance(accelerator, whole_rows.ReplicaView):  # the trainer's own, not a view's
+        while isinstance(accelerator, (whole_rows.ReplicaView, ShardSums)):  # the trainer's own
             accelerator = accelerator.world
         gathered = accelerator.gather(data)  # [processes * n, ...], by rank
         replicas = gathered.unflatten(0, (accelerator.num_processes, -1))[:: self.cp_size].flatten(0, 1)
@@ -237,15 +330,13 @@ class ContextParallelMixin:
     def _generate_and_score_completions(self, inputs):
         if not self.cp_rollouts:
             return super()._generate_and_score_completions(inputs)
-        restated = rl.SCORED.get(trl_trainer(type(self)).__name__)  # RLOO's: its sums inline
-        with rl.as_replicas(self):
-            if restated is not None:
-                return restated(self, inputs)
-            return super()._generate_and_score_completions(inputs)
+        with whole_rows.as_replicas(self):
+            return self.cp_rebound["_generate_and_score_completions"](inputs)
 
     def _calculate_rewards(self, *args, **kwargs):
-        rewards = super()._calculate_rewards(*args, **kwargs)  # gathered over every process
-        return rl.one_per_replica(self, rewards) if self.cp_rollouts and self.cp_size > 1 else rewards
+        if not self.cp_rollouts:
+            return super()._calculate_rewards(*args, **kwargs)
+        return self.cp_rebound["_calculate_rewards"](*args, **kwargs)  # gathered over the replicas
 
     def shard(self, inputs):
         """This rank's model inputs from the trainer's global batch: TRL's flash-attention keys
@@ -278,6 +369,6 @@ class ContextParallelMixin:
 
     def predict(self, *args, **kwargs):
         raise ValueError(
-            "ContextParallelMixin: predict() returns logits, which each CP rank holds only a slice of; "
+            "torch_impl.hf: predict() returns logits, which each CP rank holds only a slice of; "
             "use evaluate() for the loss"
         )

@@ -32,25 +32,26 @@ def check_trainer(cls):
         return
     name = trl.__name__ if trl.__module__.startswith("trl.trainer.") else f"{trl.__module__}.{trl.__name__}"
     raise ValueError(
-        f"ContextParallelMixin: TRL's {name} is not supported: the mixin was not made exact for its "
+        f"torch_impl.hf: TRL's {name} is not supported: the mixin was not made exact for its "
         "loss, which each CP rank would compute from its own shard of the row; supported: "
         f"transformers' Trainer and TRL's {', '.join(SUPPORTED)}"
     )
 
 
 def rollout_config(name, cp_size, args, kwargs):
-    """GRPO's or RLOO's config (`args`, or its third positional argument), refused where it is not exact,
-    its generation batch counting the dp replicas' rows (torch_impl.hf.rl.replica_config)."""
+    """GRPO's or RLOO's config (`args`, or its third positional argument), refused where it is not exact
+    or its batches cannot be split over the dp replicas (torch_impl.hf.rl.batch_refusal), its
+    generation batch counting the dp replicas' rows (torch_impl.hf.rl.replica_config)."""
     positional = kwargs.get("args") is None and len(args) > 2
     config = args[2] if positional else kwargs.get("args")
     if config is None:
         raise ValueError(
-            f"ContextParallelMixin: TRL's {name} needs its `args` passed: under CP its generation "
+            f"torch_impl.hf: TRL's {name} needs its `args` passed: under CP its generation "
             "batch is sized by the data-parallel replicas, not by the processes"
         )
-    why = rl.refusal(config)
+    why = rl.refusal(config) or rl.batch_refusal(config, cp_size)
     if why is not None:
-        raise ValueError(f"ContextParallelMixin: TRL's {name} with {why}")
+        raise ValueError(f"torch_impl.hf: TRL's {name} with {why}")
     config = rl.replica_config(config, cp_size)
     if positional:
         return (*args[:2], config, *args[3:]), kwargs
@@ -64,18 +65,18 @@ def refuse_inexact(t):
     for what in ("cp", "sp", "tp"):
         if config is not None and getattr(config, f"{what}_enabled", False):
             raise ValueError(
-                f"ContextParallelMixin: accelerate's parallelism_config has {what} enabled; its CP "
+                f"torch_impl.hf: accelerate's parallelism_config has {what} enabled; its CP "
                 "replaces the models' masks by is_causal (sliding windows and documents lost): "
                 "use one or the other"
             )
     if t.is_fsdp_enabled and not t.accelerator.is_fsdp2:
         raise ValueError(
-            "ContextParallelMixin: FSDP1 is not supported (accelerate's FSDP2 is the one tested with "
+            "torch_impl.hf: FSDP1 is not supported (accelerate's FSDP2 is the one tested with "
             "CP): pass fsdp_config={'fsdp_version': 2}"
         )
     if t.is_deepspeed_enabled:
         raise ValueError(
-            "ContextParallelMixin: DeepSpeed through the trainer is not supported (its ZeRO engine is "
+            "torch_impl.hf: DeepSpeed through the trainer is not supported (its ZeRO engine is "
             "not tested with CP: the test environment cannot install DeepSpeed without a CUDA build of "
             "torch); shard with FSDP2 instead, fsdp=True, fsdp_config={'fsdp_version': 2}"
         )
@@ -88,7 +89,7 @@ def refuse_inexact(t):
     for name, present in refused.items():
         if present:
             raise ValueError(
-                f"ContextParallelMixin: `{name}` is not supported: it would see each CP rank's slice "
+                f"torch_impl.hf: `{name}` is not supported: it would see each CP rank's slice "
                 "of the sequence (its labels or logits), not the whole"
             )
     text = t.model.config.get_text_config()
@@ -97,28 +98,29 @@ def refuse_inexact(t):
         aux = getattr(text, "output_router_logits", False) and getattr(text, "router_aux_loss_coef", 0.0)
     if aux:
         raise ValueError(
-            "ContextParallelMixin: the MoE router's auxiliary loss would be each CP rank's own, a "
+            "torch_impl.hf: the MoE router's auxiliary loss would be each CP rank's own, a "
             "load-balancing statistic of its slice's tokens, not of the sequence's: set "
-            "router_aux_loss_coef=0.0 (SFTConfig, or the model config with output_router_logits)"
+            f"router_aux_loss_coef=0.0 in the {type(t.args).__name__} (TRL's SFT, DPO, KTO, GRPO and "
+            "RLOO configs have it), or output_router_logits=False in the model config"
         )
     trl = trl_trainer(type(t))
     if trl is not None and trl.__name__ in WHOLE_ROWS:
         why = rl.refusal(t.args, t) if trl.__name__ in ROLLOUTS else whole_rows.refusal(t)
         if why is not None:
-            raise ValueError(f"ContextParallelMixin: TRL's {trl.__name__} with {why}")
+            raise ValueError(f"torch_impl.hf: TRL's {trl.__name__} with {why}")
         return
     if trl is not None and trl.__name__ in ROW_LOSSES:  # its loss reads the model's pooled logits
         return
     model = t.model.get_base_model() if hasattr(t.model, "get_base_model") else t.model  # PEFT
     if type(model).__name__.endswith("ForSequenceClassification"):
         raise ValueError(
-            f"ContextParallelMixin: {type(model).__name__}: a sequence classification loss is made exact "
+            f"torch_impl.hf: {type(model).__name__}: a sequence classification loss is made exact "
             "under CP with TRL's RewardTrainer only (the mixin's other loss path is a causal LM's token "
             "mean); use RewardTrainer, or hf.parallelize in your own loop (the model's loss is then each "
             "rank's 1/n share)"
         )
     if not t.model_accepts_loss_kwargs:
         raise ValueError(
-            "ContextParallelMixin: the model's forward takes no `num_items_in_batch`, so each CP "
+            "torch_impl.hf: the model's forward takes no `num_items_in_batch`, so each CP "
             "rank's loss would be its own slice's mean, not its share of the sequence's"
         )

@@ -20,8 +20,9 @@ option, every metric), with the trainer's accelerator seen as the dp-only run's 
 its gathers over the dp replicas, one CP rank each). Each CP rank computes its replica's loss;
 the gather's backward sums the CP ranks' equal gradients of a position, which DDP's average over
 dp x cp undoes, as for RewardTrainer. The hooks act only inside `as_replicas` (the mixin's loss,
-and GRPO's and RLOO's generation and scoring, torch_impl.hf.rl): elsewhere (TRL's precomputed
-reference log-probs) a fused-head call runs as one process.
+GRPO's and RLOO's generation and scoring, torch_impl.hf.rl, and DPO's and KTO's precomputed
+reference log-probs, their loader's rows sharded over the replicas): elsewhere a fused-head call
+runs as one process.
 
 Bytes: each output gathered is B x S x itemsize a rank receives per forward (a 128k-token row:
 512 KB of float32 log-probs), against the megabytes per layer that attention moves.
@@ -50,7 +51,7 @@ def hook(t, model):
         given = all(kwargs.get(key) is not None for key in ("input_ids", "labels"))
         if args or not given or "shift_labels" in kwargs:
             raise ValueError(
-                "ContextParallelMixin: a fused LM head call under CP takes keyword `input_ids` and unshifted "
+                "torch_impl.hf: a fused LM head call under CP takes keyword `input_ids` and unshifted "
                 f"`labels` [B, S], as TRL's trainers pass them; got {len(args)} positional arguments and "
                 f"keywords {sorted(kwargs)}"
             )
@@ -117,12 +118,22 @@ class ReplicaView:
         return scale * (total / self._t.dp_size if reduction == "mean" else total)
 
     def gather_for_metrics(self, tensor, use_gather_object=False):
+        if isinstance(tensor, (tuple, list)) and not use_gather_object:  # TRL's reference log-probs
+            return type(tensor)(self.gather_for_metrics(t) for t in tensor)
         if use_gather_object or not hasattr(tensor, "shape"):
             raise ValueError(
-                "ContextParallelMixin: gather_for_metrics of objects is not seen over the dp replicas; "
+                "torch_impl.hf: gather_for_metrics of objects is not seen over the dp replicas; "
                 f"got {type(tensor).__name__}"
             )
         return self._t._gather_replicas(tensor)
+
+    def prepare(self, *objects):
+        """The accelerator's prepare, a data loader's rows sharded over the dp replicas (a
+        replica's CP ranks read the same rows), as the dp-only run's process reads its share."""
+        prepared = self.world.prepare(*objects)
+        if len(objects) == 1:
+            return self._t._by_replica(prepared) if hasattr(prepared, "batch_sampler") else prepared
+        return tuple(self._t._by_replica(p) if hasattr(p, "batch_sampler") else p for p in prepared)
 
 
 @contextlib.contextmanager
