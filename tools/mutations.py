@@ -107,12 +107,12 @@ MUTATIONS = [
         "set_seed(self.args.seed + self.accelerator.process_index)",
         ("parity_tests/trainer/test_trainer.py", "-k", "grpo"),
     ),
-    Mutation(  # RLOO's KL penalty in the reward gathered over every process, not over the replicas
+    Mutation(  # RLOO's KL penalty in the reward gathered over every process: `gather` not rebound
         "rloo_kl_penalty_gathered_over_every_process",
         "torch_impl/hf/rl.py",
-        "kl = t.accelerator.gather((per_token_kl * completion_mask).sum(-1))",
-        "kl = t.accelerator.world.gather((per_token_kl * completion_mask).sum(-1))",
-        ("parity_tests/trainer/test_trainer.py", "-k", "rloo_llama"),
+        '"_generate_and_score_completions": ("gather", "gather_object"),',
+        '"_generate_and_score_completions": ("gather_object",),',
+        ("parity_tests/trainer/test_rl.py", "-k", "rebound"),
     ),
     Mutation(  # MiniMax's lightning correction decayed from the token itself, one step short
         "lightning_decay_one_token_short",

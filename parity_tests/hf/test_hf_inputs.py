@@ -386,7 +386,10 @@ def test_unsharded_calls_run_as_one_process(pool, name, layout):
             )
             assert tokens["plain", True] == tokens["plain", False]  # the cache changes nothing
             assert calls == 0
-            assert sharded <= 1e-12 * largest, (sharded, largest)  # float64, summed in another order
+            # float64, summed in another order; Inkling scales its queries in float32 (its own
+            # code), past log_scaling_n_floor on a rank rounded once more under CP: 4 u32
+            relative = 4 * bounds.u(torch.float32) if name == "inkling" else 1e-12
+            assert sharded <= relative * largest, (sharded, largest)
 
 
 def test_the_forward_context_is_built_on_its_own():

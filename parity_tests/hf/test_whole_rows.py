@@ -21,7 +21,7 @@ from examples.recipes import trainer_data
 from parity_tests.hf import hf_models
 from parity_tests.trainer import trainer_jobs
 from torch_impl import hf
-from torch_impl.hf import whole_rows
+from torch_impl.hf import rl, whole_rows
 from torch_impl.layout import ShardPlan
 
 B, L = 2, 4
@@ -79,6 +79,32 @@ def _trainer(kind, tmp_path, **overrides):
 def test_liger_is_refused_in_init(tmp_path, kind, name):
     with pytest.raises(ValueError, match=f"TRL's {name} with `use_liger_kernel`"):
         _trainer(kind, tmp_path, use_liger_kernel=True)
+
+
+@pytest.mark.parametrize("kind", ["dpo", "kto"])
+def test_precomputed_reference_log_probs_at_cp_1(tmp_path, kind):
+    """cp_size 1: TRL's __init__ runs its reference pass itself (nothing deferred), every row's
+    log-probs added to the dataset, as without the mixin."""
+    t = _trainer(kind, tmp_path, precompute_ref_log_probs=True)
+    assert t.cp_deferred is None
+    assert {"ref_chosen_logps", "ref_rejected_logps"} <= set(t.train_dataset.column_names) or (
+        "ref_logps" in t.train_dataset.column_names
+    ), t.train_dataset.column_names
+
+
+def test_an_override_below_the_mixin_is_refused(tmp_path):
+    """GRPO's methods that gather run as TRL's code with the replicas' gathers: an override in a
+    class between the mixin and TRL's would not run, so it is refused, naming it."""
+    from trl import GRPOTrainer
+
+    class Mine(GRPOTrainer):
+        def _calculate_rewards(self, *args, **kwargs):
+            return super()._calculate_rewards(*args, **kwargs)
+
+    t = object.__new__(type("CP", (hf.ContextParallelMixin, Mine), {}))  # (only its class is read)
+    t.cp_size, t._gather_replicas = 2, lambda x, cut: x
+    with pytest.raises(ValueError, match=r"Mine._calculate_rewards overrides TRL's GRPOTrainer"):
+        rl.rebound(t, GRPOTrainer)
 
 
 def test_prompt_learning_is_refused_in_init(tmp_path):

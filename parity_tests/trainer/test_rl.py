@@ -216,9 +216,13 @@ def test_trls_scoring_is_rebound_not_restated():
     replicas' gathers; one that loads a collective the table does not rebind is refused."""
     from torch_impl.hf import rl
 
-    t = types.SimpleNamespace(cp_size=2, _gather_replicas=lambda x, cut: x)
+    def mixed(trainer):  # an instance of the mixin over `trainer`, not set up (rebound reads its class)
+        t = object.__new__(type("CP", (hf.ContextParallelMixin, trainer), {}))
+        t.cp_size, t._gather_replicas = 2, lambda x, cut: x
+        return t
+
     for trainer in (GRPOTrainer, RLOOTrainer):
-        for name, method in rl.rebound(t, trainer).items():
+        for name, method in rl.rebound(mixed(trainer), trainer).items():
             inner = inspect.unwrap(method.__func__)
             assert inner.__code__ is inspect.unwrap(getattr(trainer, name)).__code__, name
             for key in rl.REBOUND[trainer.__name__][name]:
@@ -229,9 +233,9 @@ def test_trls_scoring_is_rebound_not_restated():
     with pytest.raises(
         ValueError, match=r"RLOOTrainer._calculate_rewards calls accelerate's \['gather_object'\]"
     ):
-        rl.rebound(t, Changed)
+        rl.rebound(mixed(Changed), Changed)
     Renamed = type("RLOOTrainer", (RLOOTrainer,), {"_calculate_rewards": GRPOTrainer._generate})  # no gather
     with pytest.raises(
         ValueError, match=r"RLOOTrainer._calculate_rewards cannot run .* loads no global \['gather'\]"
     ):
-        rl.rebound(t, Renamed)
+        rl.rebound(mixed(Renamed), Renamed)

@@ -631,7 +631,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     results = {}
-    workdir = os.path.join(os.path.dirname(args.out), "runs")
+    # each launch its own folders: launches run side by side (TRL caches precomputed reference
+    # log-probs beside a dataset, and reads a cache it finds instead of running its pass)
+    workdir = os.path.join(os.path.dirname(args.out), "runs_" + os.path.basename(args.out))
     for name in args.cases.split(",") if args.cases else ():
         results[name] = run(name, args.cp_size, os.path.join(workdir, name))
     if args.recipes:  # as docs/trainer.md runs them (float32 models), with or without CP

@@ -11,8 +11,8 @@ outside [0, E)), then runs the model's own attention function with that bias and
 on a dense mask. Inkling's log scaling of its full layers' queries (and their bias), which the
 model computes from the rank's local rows (`arange`, 1 up to `log_scaling_n_floor`), is moved to
 the global positions by the attention: the model's float32 factor divided out and the global one
-applied, their ratio in float64 (Llama 4's temperature tuning reads positions, so needs none of
-this).
+applied, in the precision the model scales in (bit for bit the model's where its factor is 1,
+rounded once more elsewhere; Llama 4's temperature tuning reads positions, so needs none of this).
 
 Inkling2's full layers convolve their keys and values with taps that depend on each token
 (`TokenConvHalo`): each rank sends the K - 1 masked inputs the next chunk's first tokens read
@@ -103,8 +103,9 @@ def relative_attention(module, query, key, value, mask, position_bias, sinks=Non
     if scale is not None:  # the model's factor at the global positions, in place of its local rows'
         given = scale(torch.arange(L, device=query.device))  # float32 [L]: the model's, by local row
         wanted = scale(_positions(context, query.device))  # float32 [B or 1, L]: at the global rows
-        tau = (wanted.double() / given.double())[:, None, :, None]  # [B or 1, 1, L, 1], float64
-        query = (query.float() * tau).to(query.dtype)  # [B, H, L, D]: one rounding to its dtype
+        q = query.float()  # [B, H, L, D], in the precision the model scales in
+        tau = (wanted.to(q.dtype) / given.to(q.dtype))[:, None, :, None]  # [B or 1, 1, L, 1]
+        query = (q * tau).to(query.dtype)  # as the model's where its factor is 1; else rounded again
         table = (table.float() * tau).to(table.dtype)  # [B, H, L, E]
     key, value = fetch_kv(context, key, value, mask.reach)  # [B, Hkv, T, D]
     E, outs = table.shape[-1], []

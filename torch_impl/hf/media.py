@@ -236,9 +236,8 @@ def _encode(module, modality, pixels, argument, group):
     M, W, grad, as_tensor, _ = (int(v) for v in sizes.amax(dim=0))  # (tokens, width, grad, a tensor)
     # one dtype on the wire: what the encoding ranks made (under autocast, the projector's, which
     # may not be the embeddings'), promoted where they differ; a rank that encoded nothing sends it
-    dtype = functools.reduce(
-        torch.promote_types, [FEATURE_DTYPES[k - 1] for k in set(sizes[:, 4].tolist()) - {0}]
-    )
+    dtypes = [FEATURE_DTYPES[k - 1] for k in set(sizes[:, 4].tolist()) - {0}]
+    dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else embeddings.dtype
     x = embeddings.new_zeros(0, W, dtype=dtype) if x is None else x.to(dtype)
     padded = F.pad(x, (0, W - x.shape[1], 0, M - x.shape[0]))[None]  # [1, M, W]
     if grad and not padded.requires_grad and torch.is_grad_enabled():  # every rank joins backward

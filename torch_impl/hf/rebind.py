@@ -29,14 +29,19 @@ DISTRIBUTIONS = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1
 
 
 def global_loads(function) -> frozenset:
-    """The global names `function`'s innermost code loads (LOAD_GLOBAL), under its decorators."""
+    """The global names `function`'s innermost code loads (LOAD_GLOBAL, its nested code's too),
+    under its decorators."""
     code = getattr(inspect.unwrap(function), "__code__", None)
     return _loads(code) if code is not None else frozenset()
 
 
 @functools.cache
 def _loads(code) -> frozenset:
-    return frozenset(i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL")
+    """The globals `code` loads, and the code nested in it (comprehensions, lambdas, inner
+    functions: they read the same globals)."""
+    nested = (const for const in code.co_consts if isinstance(const, types.CodeType))
+    own = frozenset(i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL")
+    return own.union(*(_loads(inner) for inner in nested))
 
 
 def kernel_package(function) -> str | None:

@@ -162,9 +162,19 @@ def replica_gathers(t):
 def rebound(t, trainer):
     """{name: bound method of t} for each of REBOUND's methods of `trainer` (TRL's class): TRL's own
     code, its module-level gathers the replicas' (torch_impl.hf.rebind: ValueError, naming it,
-    where the method no longer loads a name, or loads one of COLLECTIVES that is not rebound)."""
+    where the method no longer loads a name, or loads one of COLLECTIVES that is not rebound, or
+    where a class between the mixin and TRL's overrides it)."""
     gathers, methods = replica_gathers(t), {}
+    mro = type(t).__mro__
+    after = mro[1 + next(i for i, cls in enumerate(mro) if cls.__module__ == "torch_impl.hf.trainer") :]
     for name, names in REBOUND[trainer.__name__].items():
+        owner = next(cls for cls in after if name in vars(cls))  # what the mixin's super() would call
+        if owner is not next(cls for cls in trainer.__mro__ if name in vars(cls)):  # not TRL's
+            raise ValueError(
+                f"torch_impl.hf: {owner.__qualname__}.{name} overrides TRL's {trainer.__name__}.{name}, "
+                "which the mixin runs itself with its gathers over the dp replicas: an override "
+                "below the mixin would not run; override it above the mixin (calling super())"
+            )
         function = getattr(trainer, name)
         unbound = sorted((global_loads(function) & COLLECTIVES) - set(names))
         if unbound:

@@ -163,15 +163,19 @@ class ContextParallelMixin:
             self.cp_group = mesh["cp"].get_group()
         model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT
         parallelize(model, self.cp_group, layout=cp_layout)
-        if getattr(self, "ref_model", None) is not None:  # DPO's and KTO's separate reference model
-            parallelize(self.accelerator.unwrap_model(self.ref_model), self.cp_group, layout=cp_layout)
         self.cp_hooks = []  # the handles of whole_rows' hooks on the model and the reference
         if self.cp_whole_row_loss and cp_size > 1:
-            for scorer in (self.model, getattr(self, "ref_model", None)):
-                if scorer is not None:
-                    self.cp_hooks += whole_rows.hook(self, self.accelerator.unwrap_model(scorer))
+            self.cp_hooks += whole_rows.hook(self, self.accelerator.unwrap_model(self.model))
+        if getattr(self, "ref_model", None) is not None:  # DPO's and KTO's separate reference model
+            self._make_cp(self.ref_model)
         _keep_collectives_in_checkpoints(self.model)
         self._precompute_deferred()
+
+    def _make_cp(self, reference):
+        """DPO's and KTO's reference model made CP as the policy is, its fused-head calls hooked."""
+        parallelize(self.accelerator.unwrap_model(reference), self.cp_group, layout=self.cp_layout)
+        if self.cp_whole_row_loss and self.cp_size > 1:
+            self.cp_hooks += whole_rows.hook(self, self.accelerator.unwrap_model(reference))
 
     # --- DPO's and KTO's reference log-probs, precomputed as the training step scores -----------
 
@@ -185,11 +189,17 @@ class ContextParallelMixin:
         if getattr(self, "cp_deferred", None) is not None:
             self.cp_deferred.append((dataset, name, batch_size))
             return dataset
-        with whole_rows.as_replicas(self) if self.cp_size > 1 else contextlib.nullcontext():
+        if getattr(self, "cp_size", 1) == 1:  # (TRL's __init__ at cp 1: the mixin's part not set yet)
+            return super()._precompute_ref_logps(dataset, name, batch_size)
+        with whole_rows.as_replicas(self):
             return super()._precompute_ref_logps(dataset, name, batch_size)
 
     def _precompute_deferred(self):
-        """The reference passes TRL's __init__ asked for, each dataset replaced where TRL put it."""
+        """The reference passes TRL's __init__ asked for, each dataset replaced where TRL put it.
+        They use the reference as TRL leaves it (`self.ref_model`, or the policy where it is None):
+        under FSDP2 without a reference model TRL loaded a copy of the policy from its path for its
+        pass and dropped it; the policy, made CP, stands for it (the same weights where the policy
+        is that checkpoint's)."""
         deferred, self.cp_deferred = self.cp_deferred, None
         for dataset, name, batch_size in deferred or ():
             done = self._precompute_ref_logps(dataset, name, batch_size)
@@ -288,7 +298,8 @@ class ContextParallelMixin:
         position_ids lengths: under CP a replica's ranks' L add up to its row padded by the mixin
         (cp L >= S), so the padding is taken back out, summed over the replicas."""
         added = torch.tensor([self.cp_size * L - S], device=self.args.device)
-        self._total_train_tokens -= int(self._gather_replicas(added, cut=False).sum()) // self._tp_size
+        added = self._gather_replicas(added)  # cut at the last batch as TRL's count is (ShardSums)
+        self._total_train_tokens -= int(added.sum()) // self._tp_size
         self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
 
     def _track_num_input_tokens(self, inputs):
