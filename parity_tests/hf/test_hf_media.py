@@ -31,10 +31,17 @@ def test_gemma3_images_in_query_blocks(pool):
         assert max(ratios.values()) <= 1, (why, ratios)
 
 
-@pytest.mark.parametrize("family", ["llava", "gemma3"])
-@pytest.mark.parametrize(
-    "n, layout", [(2, "contiguous"), (4, "head_tail"), (2, "head_tail"), (4, "contiguous")]
-)
+# LLaVA at cp 2 and Gemma 3 at cp 4 (head_tail) in `make test`, the rest of the matrix in `make test-all`
+AUTOCAST = [("llava", 2, "contiguous"), ("gemma3", 4, "head_tail")]
+AUTOCAST += [
+    pytest.param(family, n, layout, marks=pytest.mark.slow)
+    for family in ("llava", "gemma3")
+    for n, layout in ((2, "contiguous"), (4, "head_tail"), (2, "head_tail"), (4, "contiguous"))
+    if (family, n, layout) not in AUTOCAST
+]
+
+
+@pytest.mark.parametrize("family, n, layout", AUTOCAST)
 def test_one_image_under_bfloat16_autocast(pool, family, n, layout):
     """A float32 model under TRL's bf16 autocast with one image: the ranks that encode nothing send
     the features' dtype (bfloat16, the projector's under autocast), not the embeddings' float32;
