@@ -22,6 +22,8 @@ S = 32
 GRIDS_OF = (
     *("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp"),
     *("cosmos3_omni", "hyperclovax_vision_v2", "exaone4_5", "minimax_m3_vl", "dots3_note"),
+    *("glm4v", "glm4v_moe", "glm46v", "glmga", "glm_ocr", "cosmos3_edge", "ernie4_5_vl_moe"),
+    *("cohere_compass", "qwen2_5_omni_thinker"),
 )
 VISION = {  # the vision tower's tiny sizes: images of 4 tokens
     "llava": dict(image_size=16, patch_size=8),

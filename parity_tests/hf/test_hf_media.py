@@ -12,10 +12,12 @@ from parity_tests.hf import media_cases
 from torch_impl import hf
 from torch_impl.hf import media
 
-CASES = [(family, 2, "contiguous", False) for family in media.VERIFIED]
-CASES += [(family, 4, "head_tail", False) for family in media.VERIFIED]
-CASES += [(family, 2, "contiguous", True) for family in media.VIDEOS]
-CASES += [(family, 4, "head_tail", True) for family in media.VIDEOS]  # a frame per rank
+# every family on 4 ranks under head_tail in `make test` (a video: a frame per rank), on 2 ranks
+# (contiguous) in `make test-all`
+CASES = [(family, 4, "head_tail", False) for family in media.VERIFIED]
+CASES += [(family, 4, "head_tail", True) for family in media.VIDEOS]
+CASES += [pytest.param(family, 2, "contiguous", False, marks=pytest.mark.slow) for family in media.VERIFIED]
+CASES += [pytest.param(family, 2, "contiguous", True, marks=pytest.mark.slow) for family in media.VIDEOS]
 
 
 @pytest.mark.parametrize("family, n, layout, video", CASES)

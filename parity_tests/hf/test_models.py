@@ -4,8 +4,8 @@
 a dozen of them, every layer kind the adapter has once, run the same cases on 2 ranks (rank 0: tokens
 [0, 16), rank 1: [16, 32); head_tail: chunks 0 and 3, 1 and 2 of 8 tokens): padded rows (right, and
 left with the pad token at the padding), both layouts, and packed rows. Each family must come out
-as docs/models.md says, and that matrix must be current. Three image-text-to-text classes run the
-same on text-only batches, one with the token types a processor returns for text.
+as docs/models.md says, and that matrix must be current. Five image-text-to-text classes run the
+same on text-only batches, two with the token types a processor returns for text.
 """
 
 import re
@@ -63,6 +63,8 @@ IMAGE_TEXT_QUICK = {  # image-text-to-text family on text: (what it exercises, i
     "mistral3": ("a config setting its forward's decorator passes (vision_feature_layer)", "exact"),
     "gemma3": ("a processor's token_type_ids of text", "exact"),
     "qwen3_vl": ("a processor's mm_token_type_ids of text; mRoPE positions", "exact"),
+    "qwen3_omni_moe_thinker": ("a setting its forward passes from the text config", "exact"),
+    "idefics2": ("a perceiver resampler over the image features, left to the tower", "exact"),
 }
 
 
@@ -71,7 +73,7 @@ def test_image_text_class_on_text_equals_one_process(pool, family):
     results = model_sweep.sweep_family(pool, family, task="image_text")
     outcome, why = model_sweep.verdict(results)
     assert outcome == IMAGE_TEXT_QUICK[family][1], (family, results)
-    if family != "mistral3":
+    if family in ("gemma3", "qwen3_vl"):
         assert "padded, token types" in results, results
     section = model_sweep.MATRIX.read_text().split("## Image-text-to-text classes")[1]
     assert re.search(rf"\| `{family}` \| [^|]+ \| [^|]+ \| {outcome} \|", section)

@@ -11,6 +11,7 @@ cannot be run here at all. `build` makes the float64 model; `CASES` are the swee
 import inspect
 
 import torch
+import transformers
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedConfig
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
@@ -323,12 +324,161 @@ FAMILY = {
     "git": dict(vision_config=dict(image_size=8, patch_size=4)),
     "musicgen": dict(decoder=dict(num_codebooks=2)),
     "musicgen_melody": dict(decoder=dict(num_codebooks=2)),
+    # --- image-text classes whose defaults do not build or run tiny in transformers 5.23.0
+    "cosmos3_edge": dict(  # mRoPE's sections must sum to head_dim / 2; image ids clear of TOKENS
+        text_config=dict(rope_parameters=dict(rope_type="default", rope_theta=1e8, mrope_section=[2, 1, 1])),
+        projector_hidden_size=48,
+        image_token_id=80,
+        video_token_id=81,
+        vision_start_token_id=82,
+        vision_end_token_id=83,
+    ),
+    "glm5_next": dict(  # index_topk a multiple of index_kpool: pools of 3 tokens across the shard edges
+        text_config=dict(index_kpool=3, index_topk=6),
+        vision_config=dict(out_hidden_size=32, projection_intermediate_size=48),
+    ),
+    "granite_docling": dict(  # its connector ends at the text width; DeepStack taps both ViT layers
+        vision_config=dict(out_hidden_size=32, deepstack_visual_indexes=[0, 1], image_size=32, patch_size=4)
+    ),
+    "molmo2": dict(  # the adapter's feature layers within the 2-layer ViT
+        adapter_config=dict(vision_feature_layer=[1, 0], text_hidden_size=32),
+        vision_config=dict(image_size=[16, 16], patch_size=4),
+        image_patch_id=81,
+    ),
+    "muse_spark": dict(  # one entry per audio stage; its audio and vision features at the text width
+        audio_config=dict(patch_sizes=[4, 2], hidden_sizes=[16, 32], depths=[2, 2], out_hidden_size=32),
+        text_config=dict(moe_hidden_size=32),
+        vision_config=dict(patch_size=4, pos_emb_height=4, pos_emb_width=4, max_position_embeddings=16),
+        out_hidden_size=128,
+        projector_hidden_size=48,
+    ),
+    # vocabulary_map (default None): the image placeholder and 8 VQ codes; the VQ shrunk to 8 codes
+    "chameleon": dict(
+        vocabulary_map={"<image>": 72} | {"IMGIMG" + chr(ord("A") + i) + "Z": 64 + i for i in range(8)},
+        vq_config=dict(
+            embed_dim=8,
+            num_embeddings=8,
+            latent_channels=8,
+            resolution=16,
+            base_channels=32,
+            channel_multiplier=[1, 2],
+            num_res_blocks=1,
+        ),
+    ),
+    "emu3": dict(
+        vocabulary_map={"<image>": 72, "<|extra_200|>": 73}
+        | {f"<|visual token{i:06d}|>": 64 + i for i in range(8)},
+        vq_config=dict(
+            codebook_size=8,
+            base_channels=32,
+            channel_multiplier=[1, 1],
+            attn_resolutions=[1],
+            num_res_blocks=1,
+        ),
+    ),
+    # its projector's fields default None; the Q-Former's heads are the vision width / 64
+    "granite4_vision": dict(
+        downsample_rate="2/4",
+        deepstack_layer_map=[[-2, 0]],
+        spatial_target_layers=[1, 2, 3, 4],
+        image_grid_pinpoints=[[16, 32], [32, 16], [32, 32]],
+        text_config=dict(num_hidden_layers=5),  # a layer per injection, as the checkpoint's
+        vision_config=dict(hidden_size=64, image_size=16, patch_size=4),
+        qformer_config=dict(num_hidden_layers=1, cross_attention_frequency=1),
+    ),
+    "cohere_compass": dict(
+        vision_config=dict(
+            out_hidden_size=32, deepstack_visual_indexes=[0], patch_size=4, num_position_embeddings=16
+        ),
+    ),
+    "deepseek_ocr2": dict(  # mlp_layer_types and num_experts_per_tok default None
+        text_config=dict(mlp_layer_types=["dense", "sparse"], num_experts_per_tok=2),
+        vision_config=dict(
+            sam_config=dict(
+                image_size=32,
+                patch_size=4,
+                output_channels=32,
+                downsample_channels=[32, 32],
+                window_size=2,
+                global_attn_indexes=[1],
+            )
+        ),
+    ),
+    "diffusion_gemma": dict(  # its MoE fields default None
+        text_config=dict(num_experts=4, top_k_experts=2, moe_intermediate_size=16), canvas_length=WINDOW
+    ),
+    "ernie4_5_vl_moe": dict(  # expert widths [text, vision]; mRoPE sections over head_dim 8
+        text_config=dict(
+            moe_intermediate_size=[16, 16],
+            rope_parameters=dict(rope_type="default", rope_theta=5e5, mrope_section=[1, 1, 2]),
+        )
+    ),
+    "hunyuan_vl": dict(  # xdrope's 4 axes (position, width, height, image) over 4 frequencies
+        text_config=dict(
+            rope_parameters=dict(rope_type="default", rope_theta=1e4, mrope_section=[1, 1, 1, 1])
+        )
+    ),
+    "step3p7": dict(  # sliding layers beside full ones (its text model makes the sliding mask either way)
+        text_config=dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])
+    ),
 }
 # mRoPE's sections over head_dim 8's 4 frequencies (the default's are a real model's, [16, 24, 24])
 MROPE = dict(rope_type="default", rope_theta=1e6, mrope_section=[1, 1, 2])
 MROPE = dict(text_config=dict(rope_parameters=MROPE))
 FAMILY |= {"qwen2_vl": MROPE, "qwen2_5_vl": MROPE, "paddleocr_vl": MROPE}
 FAMILY["qwen4_exp"] = dict(text_config=FAMILY["qwen4_exp_text"])
+FAMILY["cohere_compass"]["text_config"] = FAMILY["cohere_compass_text"]
+FAMILY["inkling2"] = dict(  # its projector ends at the text width (the default: a real model's)
+    text_config=FAMILY["inkling2_text"], vision_config=dict(text_hidden_size=32, projection_hidden_dim=48)
+)
+FAMILY["nemotron_h_omni"] = dict(
+    text_config=FAMILY["nemotron_h"],
+    # the vision tower's must equal the model's (2): tiny() rebuilds it from the bare default (None)
+    vision_config=dict(video_temporal_patch_size=2, patch_size=4, max_img_size=32),
+    vision_hidden_size=32,
+    projector_hidden_size=48,
+    image_token_id=80,  # default None
+)
+# GLM-4.1V / 4.5V / 4.6V (glmga: 4.6V's model): rotary over half of each head, as their checkpoints,
+# and head_dim 16 for mRoPE's 4 frequencies (sections [t, h, w]); the merger ends at the text width
+GLM_V = dict(
+    text_config=dict(
+        head_dim=16,
+        rope_parameters=dict(
+            rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5, mrope_section=[1, 1, 2]
+        ),
+    ),
+    vision_config=dict(out_hidden_size=32),
+)
+FAMILY |= {"glm4v": GLM_V, "glm46v": GLM_V, "glmga": GLM_V, "glm4v_moe": GLM_V}
+FAMILY["glm_ocr"] = MROPE | dict(vision_config=dict(out_hidden_size=32))  # GLM-OCR rotates whole heads
+# the thinkers' media ids (vision_start / end, audio_end: keys of the released configs that the config
+# classes do not declare, read by get_rope_index even for text)
+OMNI_IDS = dict(
+    audio_start_token_id=67,
+    audio_end_token_id=68,
+    user_token_id=69,
+    vision_start_token_id=70,
+    vision_end_token_id=71,
+)
+FAMILY["qwen2_5_omni_thinker"] = (
+    MROPE
+    | OMNI_IDS
+    | dict(
+        audio_token_index=64,
+        image_token_index=65,
+        video_token_index=66,
+        vision_config=dict(out_hidden_size=32, fullatt_block_indexes=[1]),  # a windowed block, a full one
+        audio_config=dict(output_dim=32),
+    )
+)
+FAMILY["qwen3_omni_moe_thinker"] = OMNI_IDS | dict(
+    audio_token_id=64,
+    image_token_id=65,
+    video_token_id=66,
+    vision_config=dict(out_hidden_size=32, deepstack_visual_indexes=[1]),
+    audio_config=dict(output_dim=32, downsample_hidden_size=32),
+)
 FAMILY["llama4"] = dict(text_config=FAMILY["llama4_text"])
 FAMILY["gemma3n"] = dict(text_config=FAMILY["gemma3n_text"])  # (needs timm for its vision tower anyway)
 FAMILY["dots3_note"] = dict(
@@ -348,14 +498,27 @@ POST = {  # model type: what its model needs after it is built
 DEFAULT_FLOAT64 = ("xglm", "prophetnet", "minimax")
 
 
+# timm imports torchvision, whose wheel for the pinned torch (2.13.0, a CPU build) does not load
+# beside it ("operator torchvision::nms does not exist"); PyPI has no CPU build of it
+TIMM = "its vision tower is timm's, which needs torchvision: none loads beside the pinned CPU torch"
 SKIPPED = {  # model type: why the sweep cannot run it here
-    "gemma3n": "its vision tower needs the `timm` package, which the test setup does not install",
+    "gemma3n": TIMM,
+    "fast_vlm": TIMM,
+    "perception_lm": TIMM,
     "gemma4_assistant": "not a standalone causal LM: it takes the main model's embeddings and KV",
     "gemma4_unified_assistant": "not a standalone causal LM: it takes the main model's embeddings and KV",
     "musicgen": "an audio model: input_ids of codebooks [B * codebooks, S], labels [B, S, codebooks]",
     "musicgen_melody": "an audio model: input_ids of codebooks [B * codebooks, S], labels [B, S, codebooks]",
-    "git": "its loss needs an image (pixel_values) in every batch",
+    "git": (
+        "its loss drops the first (image_size / patch_size)^2 + 1 logits, the image tokens it prepends "
+        "only when given pixel_values: text-only labels do not line up"
+    ),
 }
+
+
+# built from the class the task names: the auto classes look EvollaConfig up under its alias type
+# "EvollaModel", which their mappings do not list
+DIRECT = ("evolla",)
 
 
 def tiny_config(model_type):
@@ -373,7 +536,11 @@ def build(model_type, dtype=torch.float64, seed=0, task="causal_lm"):
         raise ValueError(f"{model_type}: {SKIPPED[model_type]}")
     config = tiny_config(model_type)
     torch.manual_seed(seed)
-    model = TASKS[task][0].from_config(config).to(dtype).eval()
+    if model_type in DIRECT:
+        model = getattr(transformers, TASKS[task][1][model_type])._from_config(config)
+    else:
+        model = TASKS[task][0].from_config(config)
+    model = model.to(dtype).eval()
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")
     if model_type in POST:

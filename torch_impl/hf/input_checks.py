@@ -88,11 +88,14 @@ def signature(argument, tokens, creates_cache):
 
 
 def _config_setting(module, name, value):
-    """Whether `value`, passed to the hooked forward as `name`, is the model config's own `name`."""
-    if isinstance(value, torch.Tensor):
+    """Whether `value`, passed to the hooked forward as `name`, is the model config's own `name`
+    or its text config's (Qwen3-Omni's thinker passes its text config's `output_router_logits`)."""
+    config = getattr(module, "config", None)
+    if isinstance(value, torch.Tensor) or config is None:
         return False
-    setting = getattr(getattr(module, "config", None), name, _UNSET)
-    return setting is not _UNSET and setting == value
+    text = getattr(config, "get_text_config", lambda: config)()
+    settings = (getattr(c, name, _UNSET) for c in (config, text))
+    return any(setting is not _UNSET and setting == value for setting in settings)
 
 
 _UNSET = object()

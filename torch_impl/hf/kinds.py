@@ -59,7 +59,8 @@ REFUSED_ATTENTION = {
 }
 RECURRENT_LAYER_TYPES = ("mamba", "mamba2", "recurrent")
 RECURRENCE = "carries recurrent state along the sequence, which CP cannot split exactly"
-TOWERS = re.compile(r"vision|audio|image|video|speech|visual|vq")  # sub-configs of non-text encoders
+# sub-configs of the encoders of other inputs than text, and of what resamples their features
+TOWERS = re.compile(r"vision|audio|image|video|speech|visual|vq|protein|qformer|perceiver")
 
 
 def _mixed(cls):

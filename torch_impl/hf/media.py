@@ -12,9 +12,9 @@ returns to each encoding rank the gradients of every rank's tokens, so the visio
 projector get exactly one process's gradients once summed over the ranks. (Encoding what a
 rank's shard holds instead would encode an image that straddles shards on each of its ranks.)
 
-mRoPE's 3-D positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, Qwen4, Cosmos 3 Omni) are the model's own
-`compute_3d_position_ids` over the whole rows (token ids, types and padding gathered once), then
-this rank's rows of them.
+mRoPE's 3-D positions (Qwen2-VL to Qwen4, Cosmos 3, GLM-4.1V to 4.6V, GLM-OCR, ERNIE 4.5 VL, ...)
+are the model's own `compute_3d_position_ids` over the whole rows (token ids, types and padding
+gathered once), then this rank's rows of them.
 """
 
 import functools
@@ -60,6 +60,8 @@ VERIFIED = (
     *("cosmos3_omni", "hyperclovax_vision_v2", "exaone4_5", "minimax_m3_vl", "dots3_note"),
     *("llava", "mistral3", "lighton_ocr", "aya_vision", "cohere2_vision", "internvl", "gemma3"),
     *("deepseek_vl", "video_llava", "qianfan_ocr"),
+    *("glm4v", "glm4v_moe", "glm46v", "glmga", "glm_ocr", "cosmos3_edge", "ernie4_5_vl_moe"),
+    *("cohere_compass", "qwen2_5_omni_thinker"),
 )
 # those whose videos are too (MiniMax-M3-VL's come out wrong: refused)
 VIDEOS = (
