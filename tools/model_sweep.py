@@ -74,9 +74,10 @@ def sweep_family(pool, model_type, cp=True, cases=None, task="causal_lm"):
 def media_verdict(pool, model_type):
     """An image-text family's verdict on media_cases' batch of images (and of a video, where its
     videos are split): exact or wrong (worst of both, each rank's worst difference / bound), crash,
-    or refused for a family whose media the adapter does not split (media.VERIFIED, VIDEOS)."""
+    or refused for a family whose media the adapter does not split (media.VERIFIED, VIDEOS), with
+    the model's reason where media.REFUSED gives one."""
     if model_type not in media.VERIFIED:
-        return "refused", "its vision inputs are not verified under CP"
+        return "refused", media.REFUSED.get(model_type, "its vision inputs are not verified under CP")
     verdicts = []
     for video in (False, True) if model_type in media.VIDEOS else (False,):
         try:

@@ -23,8 +23,16 @@ GRIDS_OF = (
     *("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp"),
     *("cosmos3_omni", "hyperclovax_vision_v2", "exaone4_5", "minimax_m3_vl", "dots3_note"),
     *("glm4v", "glm4v_moe", "glm46v", "glmga", "glm_ocr", "cosmos3_edge", "ernie4_5_vl_moe"),
-    *("cohere_compass", "qwen2_5_omni_thinker"),
+    *("cohere_compass", "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker", "paddleocr_vl", "muse_spark"),
+    *("kimi_k25", "lfm3_vl", "hunyuan_vl", "inkling2"),
 )
+PATCHES = ("paddleocr_vl", "kimi_k25")  # their processors give each patch as a [C, P, P] image, not a row
+# grids that are not Qwen's (t, h, w patches, 2 x 2 merged): HunYuan-VL's images take (h/2)(w/2 + 1) + 2
+# tokens (a row end per row, a begin and an end); Inkling 2's count its tokens, each a [2P, 2P, C] patch
+GRIDS_FOR = {
+    "hunyuan_vl": ((1, 4, 4), (1, 2, 4), (1, 4, 4)),  # 8, 5, 8 tokens
+    "inkling2": ((1, 2, 4), (1, 2, 2), (1, 2, 4)),  # 8, 4, 8 tokens
+}
 VISION = {  # the vision tower's tiny sizes: images of 4 tokens
     "llava": dict(image_size=16, patch_size=8),
     "mistral3": dict(image_size=16, patch_size=4),
@@ -36,9 +44,28 @@ VISION = {  # the vision tower's tiny sizes: images of 4 tokens
     "deepseek_vl": dict(image_size=16, patch_size=8),
     "video_llava": dict(image_size=16, patch_size=8),
     "qianfan_ocr": dict(image_size=[16, 16], patch_size=[4, 4]),
+    "paddleocr_vl": dict(image_size=16, patch_size=4),
+    "vipllava": dict(image_size=16, patch_size=8),
+    "shieldgemma2": dict(image_size=24, patch_size=4),
+    "step3p7": dict(image_size=32, patch_size=4),  # 8 x 8 patches, two stride-2 downsamplers: 4 tokens
+    "aria": dict(image_size=16, patch_size=4),
+    # any resolution: tiles of 1 patch (CLIP's CLS dropped); the whole image, then 2 x 2 tiles with a
+    # newline a row of tiles: 1 + 2 * (2 + 1) = 7 tokens
+    "llava_next": dict(image_size=8, patch_size=8),
+    "llava_next_video": dict(image_size=8, patch_size=8),
+    "janus": dict(image_size=16, patch_size=8, projection_dim=32),  # its aligner ends at projection_dim
+    "kimi_k25": dict(patch_size=4),
+    "lfm3_vl": dict(patch_size=4),
+    "hunyuan_vl": dict(patch_size=4),
+    "inkling2": dict(patch_size=4),
 }
-MM_TOKENS = {"gemma3": 9}  # config.mm_tokens_per_image
-IMAGE_SIZES = ("mistral3", "lighton_ocr")  # their images come with their sizes
+CONFIG = {  # the model config's own fields for these images
+    "llava_next": dict(image_grid_pinpoints=[[16, 16]]),
+    "llava_next_video": dict(image_grid_pinpoints=[[16, 16]]),
+}
+TILES = {"llava_next": 5, "llava_next_video": 5}  # any resolution: pixel_values [3, tiles, C, H, W]
+MM_TOKENS = {"gemma3": 9, "shieldgemma2": 9}  # config.mm_tokens_per_image
+IMAGE_SIZES = ("mistral3", "lighton_ocr", *TILES)  # their images come with their sizes
 GRIDS = ((1, 4, 8), (1, 4, 4), (1, 4, 8))  # Qwen's images A, B, C: (t, h, w) patches, 8, 4, 8 tokens
 VIDEO = (2, 4, 4)  # Qwen's video in C's place: 2 temporal patches, 8 tokens
 FRAMES = (
@@ -52,7 +79,7 @@ STARTS = ((0, 6), (0, 20), (1, 12))  # (row, first placeholder) of A, B, C
 # ranks' edge and ending at a chunk's end (head_tail on 4 ranks: chunks of 4), B at [23, 32) to the
 # row's end, C at [5, 14); on 4 ranks chunk 2's lookahead runs 8 tokens on, past a sliding
 # layer's 7 back, and B and C span three ranks' chunks
-STARTS_OF = {"gemma3": ((0, 11), (0, 23), (1, 5))}
+STARTS_OF = {"gemma3": ((0, 11), (0, 23), (1, 5)), "shieldgemma2": ((0, 11), (0, 23), (1, 5))}
 
 
 def build(model_type):
@@ -61,12 +88,19 @@ def build(model_type):
         setattr(config.vision_config, key, value)
     if model_type in MM_TOKENS:
         config.mm_tokens_per_image = MM_TOKENS[model_type]
+    for key, value in CONFIG.get(model_type, {}).items():
+        setattr(config, key, value)
     if hasattr(config.vision_config, "out_hidden_size"):  # Qwen's merger projects to the text width
         config.vision_config.out_hidden_size = config.get_text_config().hidden_size
     torch.manual_seed(0)
     model = zoo.TASKS["image_text"][0].from_config(config).to(torch.float64).eval()
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")
+    projector = getattr(model.model, "multi_modal_projector", None)
+    if hasattr(projector, "mm_input_projection_weight"):  # Gemma 3 zeros it: the tower would get no gradient
+        weight = projector.mm_input_projection_weight
+        with torch.no_grad():
+            weight.normal_(std=weight.shape[0] ** -0.5, generator=torch.Generator().manual_seed(1))
     return model
 
 
@@ -83,12 +117,13 @@ def media_batch(config, video=False, seed=3, count=4):
     types = torch.zeros_like(ids)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
-    grids = list(GRIDS[:2]) + ([] if video else [GRIDS[2]])
+    three = GRIDS_FOR.get(config.model_type, GRIDS)
+    grids = list(three[:2]) + ([] if video else [three[2]])
     starts = STARTS_OF.get(config.model_type, STARTS)
     items = [(s, g, 1) for s, g in zip(starts, grids, strict=False)]
     items += [(starts[2], VIDEO, 2)] if video else []
     for (row, start), grid, kind in items:
-        count = (grid[0] * grid[1] * grid[2]) // 4 if qwen else count  # Qwen: merged 2x2 patches
+        count = _grid_tokens(config.model_type, grid) if qwen else count
         segments = [(start, count)]
         if kind == 2 and config.model_type in FRAMES:  # <t> <start> frame <end> <t> <start> frame <end>
             segments = [(start + 2 + 7 * t, count // grid[0]) for t in range(grid[0])]
@@ -101,10 +136,18 @@ def media_batch(config, video=False, seed=3, count=4):
     batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
     vision = config.vision_config
     if qwen:
-        channels = getattr(vision, "in_channels", None) or vision.num_channels
-        width = channels * getattr(vision, "temporal_patch_size", 1) * vision.patch_size**2
+        # (Muse Spark's tower names no channels: its patch embedding takes 3, over patch_temporal frames)
+        channels = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", 3)
+        temporal = getattr(vision, "temporal_patch_size", None) or getattr(vision, "patch_temporal", 1)
+        width = channels * temporal * vision.patch_size**2
         rows = sum(t * h * w for t, h, w in grids)
-        batch |= {"pixel_values": torch.randn(rows, width, generator=gen, dtype=torch.float64)}
+        pixels = torch.randn(rows, width, generator=gen, dtype=torch.float64)
+        if config.model_type in PATCHES:
+            pixels = pixels.view(rows, channels * temporal, vision.patch_size, vision.patch_size)
+        if config.model_type == "inkling2":  # a [P * m, P * m, C] patch a token
+            side = vision.patch_size * vision.spatial_merge_size
+            pixels = torch.randn(rows, side, side, channels, generator=gen, dtype=torch.float64)
+        batch |= {"pixel_values": pixels}
         batch |= {"image_grid_thw": torch.tensor(grids), "mm_token_type_ids": types}
         if video:
             frames = VIDEO[0] * VIDEO[1] * VIDEO[2]
@@ -112,14 +155,25 @@ def media_batch(config, video=False, seed=3, count=4):
             batch |= {"video_grid_thw": torch.tensor([VIDEO])}
         return batch
     size = vision.image_size[0] if isinstance(vision.image_size, (list, tuple)) else vision.image_size
+    tiles = (TILES[config.model_type],) if config.model_type in TILES else ()
     batch["pixel_values"] = torch.randn(
-        3, vision.num_channels, size, size, generator=gen, dtype=torch.float64
+        3, *tiles, vision.num_channels, size, size, generator=gen, dtype=torch.float64
     )
     if config.model_type in IMAGE_SIZES:
         batch["image_sizes"] = torch.tensor([[size, size]] * 3)
     if config.model_type in media.BLOCKWISE:  # its processor's token types: its images' tokens see each other
         batch["token_type_ids"] = types
     return batch
+
+
+def _grid_tokens(model_type, grid):
+    """How many placeholder tokens an image of (t, h, w) patches takes."""
+    t, h, w = grid
+    if model_type == "hunyuan_vl":
+        return (h // 2) * (w // 2 + 1) + 2
+    if model_type == "inkling2":
+        return t * h * w
+    return (t * h * w) // 4  # Qwen: merged 2x2 patches
 
 
 def tokens_an_image(model):

@@ -5,10 +5,13 @@ images whose placeholder tokens straddle shard boundaries, with a left-padded ro
 (contiguous) and 4 (head_tail, one rank encoding nothing), and a video for the Qwen families
 (parity_tests.hf.media_cases holds the batch and the rank bodies)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from parity_tests.hf import media_cases
+from tools import model_sweep
 from torch_impl import hf
 from torch_impl.hf import media
 
@@ -53,9 +56,21 @@ def test_one_image_under_bfloat16_autocast(pool, family, n, layout):
 
 
 def test_unverified_media_are_refused(pool):
-    """A family whose images are not verified under CP (VipLLaVA): refused, saying so, on every rank."""
-    for message in pool.run(("first", 2), media_cases.refused, "vipllava")[0]:
+    """A family whose images are not verified under CP (LLaVA-OneVision: whether an image is tiled
+    depends on its row's count of images): refused, saying so, on every rank."""
+    for message in pool.run(("first", 2), media_cases.refused, "llava_onevision")[0]:
         assert message and "its vision inputs are not verified under CP" in message, message
+
+
+def test_a_family_refused_for_its_model_says_why():
+    """media.REFUSED's reason, not "not verified", in the adapter's refusal and in docs/models.md."""
+    module = SimpleNamespace(config=SimpleNamespace(model_type="mistral4"))
+    message = media.refusal(module, lambda name: None, ["pixel_values"])
+    assert media.REFUSED["mistral4"] in message, message
+    assert model_sweep.media_verdict(None, "mistral4") == ("refused", media.REFUSED["mistral4"])
+    section = model_sweep.MATRIX.read_text().split("## Image-text-to-text classes")[1]
+    row = next(line for line in section.splitlines() if line.startswith("| `mistral4` |"))
+    assert "no vision tower" in row, row
 
 
 def test_unverified_videos_are_refused(pool):

@@ -325,6 +325,20 @@ FAMILY = {
     "musicgen": dict(decoder=dict(num_codebooks=2)),
     "musicgen_melody": dict(decoder=dict(num_codebooks=2)),
     # --- image-text classes whose defaults do not build or run tiny in transformers 5.23.0
+    "vipllava": dict(vision_feature_layer=[-2, -1]),  # the default's (-2, -5, -8, -11, 6): past a tiny tower
+    "aria": dict(projector_patch_to_query_dict={16: 4}),  # a tiny image's 4 x 4 patches to 4 queries
+    "kimi_k25": dict(projection_hidden_size=32),  # its projector's norm: the vision width (default 1152)
+    "janus": dict(  # its VQ-VAE (image generation only) shrunk: 118M parameters at the tiny sizes otherwise
+        vq_config=dict(
+            embed_dim=8,
+            num_embeddings=16,
+            base_channels=32,
+            channel_multiplier=[1, 2],
+            num_res_blocks=1,
+            projection_dim=32,
+            image_token_embed_dim=32,
+        )
+    ),
     "cosmos3_edge": dict(  # mRoPE's sections must sum to head_dim / 2; image ids clear of TOKENS
         text_config=dict(rope_parameters=dict(rope_type="default", rope_theta=1e8, mrope_section=[2, 1, 1])),
         projector_hidden_size=48,

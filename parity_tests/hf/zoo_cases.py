@@ -41,14 +41,15 @@ from torch_impl.layout import ShardPlan
 
 class Float64Steps(TorchFunctionMode):
     """A float64 tensor that the model casts to float32 stays float64 (`x.float()`, `x.to(torch.float32)`,
-    `softmax(x, dtype=torch.float32)`, ...), and an integer one cast to float32 becomes float64
-    (GLM-4V's image sizes, scaling its float64 position table): the model's float32 steps run in
-    float64. A function mode, above autograd, so that autograd records the dtypes the tensors have."""
+    `softmax(x, dtype=torch.float32)`, ...), and an integer one cast to float32, or a tensor made
+    as float32, is float64 (GLM-4V's image sizes scaling its position table, Qwen3-Omni's table of
+    positions): the model's float32 steps run in float64. A function mode, above autograd, so that
+    autograd records the dtypes the tensors have."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if x is not None and (x.dtype == torch.float64 or not (x.is_floating_point() or x.is_complex())):
+        if x is None or x.dtype == torch.float64 or not (x.is_floating_point() or x.is_complex()):
             if func is torch.Tensor.float:
                 return x.double()
             args = tuple(torch.float64 if a is torch.float32 else a for a in args)

@@ -61,8 +61,17 @@ VERIFIED = (
     *("llava", "mistral3", "lighton_ocr", "aya_vision", "cohere2_vision", "internvl", "gemma3"),
     *("deepseek_vl", "video_llava", "qianfan_ocr"),
     *("glm4v", "glm4v_moe", "glm46v", "glmga", "glm_ocr", "cosmos3_edge", "ernie4_5_vl_moe"),
-    *("cohere_compass", "qwen2_5_omni_thinker"),
+    *("cohere_compass", "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker", "paddleocr_vl", "muse_spark"),
+    *("vipllava", "shieldgemma2", "step3p7", "aria", "llava_next", "llava_next_video"),
+    *("janus", "kimi_k25", "lfm3_vl", "hunyuan_vl", "inkling2"),
 )
+# families whose media are refused for a reason of the model's: why
+REFUSED = {
+    "mistral4": (
+        "the class the image-text mapping names (Mistral4ForCausalLM) has no vision tower: "
+        "Mistral Small 4 takes images as Mistral3ForConditionalGeneration over a mistral4 text model"
+    ),
+}
 # those whose videos are too (MiniMax-M3-VL's come out wrong: refused)
 VIDEOS = (
     *("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
@@ -71,7 +80,7 @@ VIDEOS = (
 # families whose image tokens (token_type_ids 1) see every token of their image, later ones
 # included: `images` numbers them, the attention fetches each image's rest and attends on their
 # rule (torch_impl.hf.attention.attend_images)
-BLOCKWISE = ("gemma3",)
+BLOCKWISE = ("gemma3", "shieldgemma2")
 # the dtypes an encoder's features may have, numbered for the ranks' one exchange of their sizes
 FEATURE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -85,6 +94,8 @@ def refusal(module, argument, media):
     """What is wrong with giving this model these media under CP, or None."""
     model_type = getattr(module.config, "model_type", type(module).__name__)
     videos = MODALITIES["video"].pixels in media
+    if model_type in REFUSED:
+        return f"torch_impl.hf: {type(module).__name__} was given {media}: {REFUSED[model_type]}"
     if model_type not in VERIFIED or videos and model_type not in VIDEOS:
         kind, verified = ("videos", VIDEOS) if model_type in VERIFIED else ("vision inputs", VERIFIED)
         return (
