@@ -24,7 +24,7 @@ GRIDS_OF = (
     *("cosmos3_omni", "hyperclovax_vision_v2", "exaone4_5", "minimax_m3_vl", "dots3_note"),
     *("glm4v", "glm4v_moe", "glm46v", "glmga", "glm_ocr", "cosmos3_edge", "ernie4_5_vl_moe"),
     *("cohere_compass", "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker", "paddleocr_vl", "muse_spark"),
-    *("kimi_k25", "lfm3_vl", "hunyuan_vl", "inkling2"),
+    *("kimi_k25", "lfm3_vl", "hunyuan_vl", "inkling2", "video_llama_3"),
 )
 PATCHES = ("paddleocr_vl", "kimi_k25")  # their processors give each patch as a [C, P, P] image, not a row
 # grids that are not Qwen's (t, h, w patches, 2 x 2 merged): HunYuan-VL's images take (h/2)(w/2 + 1) + 2
@@ -58,6 +58,20 @@ VISION = {  # the vision tower's tiny sizes: images of 4 tokens
     "lfm3_vl": dict(patch_size=4),
     "hunyuan_vl": dict(patch_size=4),
     "inkling2": dict(patch_size=4),
+    "video_llama_3": dict(patch_size=4),
+    "lfm2_vl": dict(patch_size=4, num_patches=16),  # 4 x 4 patches, downsampled 2 x 2: 4 tokens
+    "deepseek_vl_hybrid": dict(image_size=16, patch_size=8),
+    # 4 x 4 patches pixel-shuffled (ratio 0.5) to 2 x 2: 4 tokens; its projector 48 wide, past the
+    # text width (its forward projects the features the ranks exchange). (In float64 its tower's
+    # complex rope buffer keeps its real part: both sides run the same tower.)
+    "llama4": dict(
+        image_size=16,
+        patch_size=4,
+        intermediate_size=128,
+        vision_output_dim=48,
+        projector_input_dim=48,
+        projector_output_dim=48,
+    ),
 }
 CONFIG = {  # the model config's own fields for these images
     "llava_next": dict(image_grid_pinpoints=[[16, 16]]),
@@ -96,11 +110,15 @@ def build(model_type):
     model = zoo.TASKS["image_text"][0].from_config(config).to(torch.float64).eval()
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")
-    projector = getattr(model.model, "multi_modal_projector", None)
-    if hasattr(projector, "mm_input_projection_weight"):  # Gemma 3 zeros it: the tower would get no gradient
-        weight = projector.mm_input_projection_weight
-        with torch.no_grad():
+    # weights whose init is zero, behind which the tower would get no gradient to compare: Gemma 3's
+    # projector, DeepSeek-VL hybrid's gate of its high-resolution (SAM) tower
+    projector = getattr(model.base_model, "multi_modal_projector", None)
+    with torch.no_grad():
+        if hasattr(projector, "mm_input_projection_weight"):
+            weight = projector.mm_input_projection_weight
             weight.normal_(std=weight.shape[0] ** -0.5, generator=torch.Generator().manual_seed(1))
+        if hasattr(model.base_model, "high_res_vision_alpha"):
+            model.base_model.high_res_vision_alpha.fill_(0.5)
     return model
 
 
@@ -149,10 +167,20 @@ def media_batch(config, video=False, seed=3, count=4):
             pixels = torch.randn(rows, side, side, channels, generator=gen, dtype=torch.float64)
         batch |= {"pixel_values": pixels}
         batch |= {"image_grid_thw": torch.tensor(grids), "mm_token_type_ids": types}
+        if config.model_type == "video_llama_3":  # its images' merge sizes (the processor's default: 1)
+            batch["image_merge_sizes"] = torch.tensor([2] * len(grids))
         if video:
             frames = VIDEO[0] * VIDEO[1] * VIDEO[2]
             batch |= {"pixel_values_videos": torch.randn(frames, width, generator=gen, dtype=torch.float64)}
             batch |= {"video_grid_thw": torch.tensor([VIDEO])}
+        return batch
+    if config.model_type == "lfm2_vl":  # Siglip2's NaFlex: padded patch rows, their shapes and mask
+        P, patches = vision.patch_size, vision.num_patches
+        batch["pixel_values"] = torch.randn(
+            3, patches, vision.num_channels * P * P, generator=gen, dtype=torch.float64
+        )
+        batch["spatial_shapes"] = torch.tensor([[4, 4]] * 3)
+        batch["pixel_attention_mask"] = torch.ones(3, patches, dtype=torch.long)
         return batch
     size = vision.image_size[0] if isinstance(vision.image_size, (list, tuple)) else vision.image_size
     tiles = (TILES[config.model_type],) if config.model_type in TILES else ()
@@ -161,6 +189,9 @@ def media_batch(config, video=False, seed=3, count=4):
     )
     if config.model_type in IMAGE_SIZES:
         batch["image_sizes"] = torch.tensor([[size, size]] * 3)
+    if config.model_type == "deepseek_vl_hybrid":  # each image at SAM's resolution too
+        high = config.high_res_vision_config.image_size
+        batch["high_res_pixel_values"] = torch.randn(3, 3, high, high, generator=gen, dtype=torch.float64)
     if config.model_type in media.BLOCKWISE:  # its processor's token types: its images' tokens see each other
         batch["token_type_ids"] = types
     return batch
@@ -183,10 +214,12 @@ def tokens_an_image(model):
     if config.model_type in GRIDS_OF:
         return None
     one = media_batch(config, count=1)
-    kwargs = {key: one[key][:1] for key in ("pixel_values", "image_sizes") if key in one}
+    kwargs = {
+        key: one[key][:1] for key in ("pixel_values", *media.MODALITIES["image"].per_item) if key in one
+    }
     with torch.no_grad():
-        out = model.model.get_image_features(**kwargs, return_dict=True)
-    pooled = out.pooler_output
+        out = model.base_model.get_image_features(**kwargs, return_dict=True)
+    pooled = getattr(out, media.FIELD.get(config.model_type, "pooler_output"))
     return (
         sum(p.shape[0] for p in pooled)
         if isinstance(pooled, (tuple, list))

@@ -328,6 +328,11 @@ FAMILY = {
     "vipllava": dict(vision_feature_layer=[-2, -1]),  # the default's (-2, -5, -8, -11, 6): past a tiny tower
     "aria": dict(projector_patch_to_query_dict={16: 4}),  # a tiny image's 4 x 4 patches to 4 queries
     "kimi_k25": dict(projection_hidden_size=32),  # its projector's norm: the vision width (default 1152)
+    "deepseek_vl_hybrid": dict(  # SAM's high-resolution tower at 32 x 32 (default 1024)
+        high_res_vision_config=dict(
+            image_size=32, patch_size=4, output_channels=32, window_size=2, global_attn_indexes=[1]
+        )
+    ),
     "janus": dict(  # its VQ-VAE (image generation only) shrunk: 118M parameters at the tiny sizes otherwise
         vq_config=dict(
             embed_dim=8,

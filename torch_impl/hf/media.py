@@ -44,7 +44,14 @@ MODALITIES = {
     "image": Modality(
         "pixel_values",
         "image_grid_thw",
-        ("image_sizes",),
+        # (VideoLLaMA 3's merge sizes, LFM2-VL's NaFlex tiles, DeepSeek-VL hybrid's SAM pixels)
+        (
+            "image_sizes",
+            "image_merge_sizes",
+            "spatial_shapes",
+            "pixel_attention_mask",
+            "high_res_pixel_values",
+        ),
         ("image_token_id", "image_token_index"),
         "get_image_features",
     ),
@@ -64,6 +71,7 @@ VERIFIED = (
     *("cohere_compass", "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker", "paddleocr_vl", "muse_spark"),
     *("vipllava", "shieldgemma2", "step3p7", "aria", "llava_next", "llava_next_video"),
     *("janus", "kimi_k25", "lfm3_vl", "hunyuan_vl", "inkling2"),
+    *("video_llama_3", "lfm2_vl", "deepseek_vl_hybrid", "llama4"),
 )
 # families whose media are refused for a reason of the model's: why
 REFUSED = {
@@ -72,6 +80,9 @@ REFUSED = {
         "Mistral Small 4 takes images as Mistral3ForConditionalGeneration over a mistral4 text model"
     ),
 }
+# the encoder's output that holds a family's features, where not pooler_output: Llama 4's adapter
+# output, which its forward projects itself (no deepstack features; not the text width)
+FIELD = {"llama4": "last_hidden_state"}
 # those whose videos are too (MiniMax-M3-VL's come out wrong: refused)
 VIDEOS = (
     *("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
@@ -130,9 +141,10 @@ def inputs(module, argument, ids, types, padding, rows, group):
             )
         order = placeholder.flatten().cumsum(0).view_as(placeholder) - 1  # [B, S]: feature of each
         mine = features[order[:, rows][placeholder[:, rows]]]  # [local tokens, W], row-major
-        pooled, *deep = mine.split(width, dim=-1)
+        field = FIELD.get(module.config.model_type, "pooler_output")
+        pooled, *deep = (mine,) if field in FIELD.values() else mine.split(width, dim=-1)
         pooled = pooled[None] if as_tensor else (pooled,)  # as the model's encoder returns them
-        outputs[name] = SimpleNamespace(pooler_output=pooled, deepstack_features=[(d,) for d in deep])
+        outputs[name] = SimpleNamespace(**{field: pooled}, deepstack_features=[(d,) for d in deep])
         changes[modality.pixels] = None
     changes["mm_encoder_outputs"] = outputs
     given = argument("position_ids") is not None
@@ -237,8 +249,9 @@ def _encode(module, modality, pixels, argument, group):
             if key not in kwargs and key not in MEDIA_KEYS and argument(key) is not None:
                 kwargs[key] = argument(key)
         out = encoder(**kwargs, return_dict=True)
-        as_tensor = not isinstance(out.pooler_output, (tuple, list))  # [items, tokens, W], not per item
-        pooled = out.pooler_output if as_tensor else torch.cat(list(out.pooler_output))
+        given = getattr(out, FIELD.get(module.config.model_type, "pooler_output"))
+        as_tensor = not isinstance(given, (tuple, list))  # [items, tokens, W], not per item
+        pooled = given if as_tensor else torch.cat(list(given))
         deep = [torch.cat(list(f)) for f in getattr(out, "deepstack_features", None) or []]
         x = torch.cat([pooled.flatten(0, -2), *deep], dim=-1)  # [tokens, W]
         x = x if kept else x[:0]  # [0, W]: none kept, a zero gradient back through the encoder
