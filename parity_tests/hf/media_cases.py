@@ -96,22 +96,30 @@ STARTS = ((0, 6), (0, 20), (1, 12))  # (row, first placeholder) of A, B, C
 STARTS_OF = {"gemma3": ((0, 11), (0, 23), (1, 5)), "shieldgemma2": ((0, 11), (0, 23), (1, 5))}
 
 
+# families whose processors give neither Qwen's grids nor [3, C, size, size] images: Fuyu's patch
+# rows, a token each (no vision tower: a linear layer), 4 an image; Nemotron-H Omni's patch rows with
+# (h, w) grids, 4 x 4 patches pixel-shuffled to 4 tokens
+PATCH_ROWS = {"fuyu": 4}
+HW_GRIDS = ("nemotron_h_omni",)
+
+
 def build(model_type):
     config = zoo.tiny_config(model_type)
+    vision = getattr(config, "vision_config", None)  # (Fuyu has none)
     for key, value in VISION.get(model_type, {}).items():
-        setattr(config.vision_config, key, value)
+        setattr(vision, key, value)
     if model_type in MM_TOKENS:
         config.mm_tokens_per_image = MM_TOKENS[model_type]
     for key, value in CONFIG.get(model_type, {}).items():
         setattr(config, key, value)
-    if hasattr(config.vision_config, "out_hidden_size"):  # Qwen's merger projects to the text width
-        config.vision_config.out_hidden_size = config.get_text_config().hidden_size
+    if hasattr(vision, "out_hidden_size"):  # Qwen's merger projects to the text width
+        vision.out_hidden_size = config.get_text_config().hidden_size
     torch.manual_seed(0)
     model = zoo.TASKS["image_text"][0].from_config(config).to(torch.float64).eval()
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")
     # weights whose init is zero, behind which the tower would get no gradient to compare: Gemma 3's
-    # projector, DeepSeek-VL hybrid's gate of its high-resolution (SAM) tower
+    # projector, DeepSeek-VL hybrid's gate of its SAM tower's global features (neck and projection)
     projector = getattr(model.base_model, "multi_modal_projector", None)
     with torch.no_grad():
         if hasattr(projector, "mm_input_projection_weight"):
@@ -127,6 +135,7 @@ def media_batch(config, video=False, seed=3, count=4):
     token types (1: image, 2: video)."""
     gen = torch.Generator().manual_seed(seed)
     qwen = config.model_type in GRIDS_OF
+    count = PATCH_ROWS.get(config.model_type, count)
     image, video_id = config.image_token_id, getattr(config, "video_token_id", None)
     marks = [getattr(config, k, None) for k in ("vision_start_token_id", "vision_end_token_id")]
     special = {image, video_id, *marks, getattr(config.get_text_config(), "pad_token_id", None)}
@@ -152,7 +161,13 @@ def media_batch(config, video=False, seed=3, count=4):
                 ids[row, first - 1], ids[row, first + tokens] = marks
     labels = ids.masked_fill(mask == 0, -100)
     batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-    vision = config.vision_config
+    vision = getattr(config, "vision_config", None)
+    if config.model_type in PATCH_ROWS:  # a [C * P * P] row a token
+        width = config.num_channels * config.patch_size**2
+        return batch | {"pixel_values": torch.randn(3 * count, width, generator=gen, dtype=torch.float64)}
+    if config.model_type in HW_GRIDS:
+        pixels = torch.randn(3 * 16, 3 * vision.patch_size**2, generator=gen, dtype=torch.float64)
+        return batch | {"pixel_values": pixels, "image_grid_hw": torch.tensor([[4, 4]] * 3)}
     if qwen:
         # (Muse Spark's tower names no channels: its patch embedding takes 3, over patch_temporal frames)
         channels = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", 3)
@@ -167,7 +182,9 @@ def media_batch(config, video=False, seed=3, count=4):
             pixels = torch.randn(rows, side, side, channels, generator=gen, dtype=torch.float64)
         batch |= {"pixel_values": pixels}
         batch |= {"image_grid_thw": torch.tensor(grids), "mm_token_type_ids": types}
-        if config.model_type == "video_llama_3":  # its images' merge sizes (the processor's default: 1)
+        if (
+            config.model_type == "video_llama_3"
+        ):  # merge sizes of 2 (its processor's default is 1): Qwen's counts
             batch["image_merge_sizes"] = torch.tensor([2] * len(grids))
         if video:
             frames = VIDEO[0] * VIDEO[1] * VIDEO[2]
@@ -213,6 +230,8 @@ def tokens_an_image(model):
     config = model.config
     if config.model_type in GRIDS_OF:
         return None
+    if config.model_type in PATCH_ROWS or config.model_type in HW_GRIDS:
+        return PATCH_ROWS.get(config.model_type, 4)
     one = media_batch(config, count=1)
     kwargs = {
         key: one[key][:1] for key in ("pixel_values", *media.MODALITIES["image"].per_item) if key in one
@@ -225,6 +244,18 @@ def tokens_an_image(model):
         if isinstance(pooled, (tuple, list))
         else pooled[0].numel() // pooled.shape[-1]
     )
+
+
+def towers(model):
+    """The parameter names of each module built from a vision sub-config of the model's config (its
+    towers, not the projector, which gets gradients even where a zero weight cuts the tower off)."""
+    configs = {id(c) for key, c in vars(model.config).items() if "vision_config" in key and c is not None}
+    found = {}
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if id(config) in configs and not any(name.startswith(f"{outer}.") for outer in found):
+            found[name] = {f"{name}.{k}" for k, _ in module.named_parameters()}
+    return list(found.values())
 
 
 def compare(group, model_type, layout="contiguous", video=False, block=None):
@@ -247,7 +278,9 @@ def _compare(group, model_type, layout, video):
     decoder = next(name for name, m in model.named_modules() if m is model.get_decoder())
     vision = {k for k, g in reference[2].items() if g is not None and not k.startswith(decoder + ".")}
     vision -= {k for k in vision if k.startswith("lm_head")}
-    assert any(reference[2][k].abs().max() > 0 for k in vision), "the vision tower gets no gradient"
+    tower = set().union(*towers(one_process)) or vision  # (Fuyu's is one linear layer, with no config)
+    gradients = [reference[2][k] for k in tower if reference[2][k] is not None]
+    assert any(g.abs().max() > 0 for g in gradients), "the vision tower gets no gradient"
     hf.parallelize(model, group, layout=layout, verbose=False)
     logits, loss, grads = zoo_cases._run(model, hf.shard_batch(batch, group, layout=layout))
     # (a rank that encoded no item of its own: zeros for the vision tower and projector)

@@ -3,12 +3,13 @@ refusals before any communication, the cross-rank inputs check, and what happens
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from parity_tests.harness import bounds
-from parity_tests.hf import hf_cases, hf_models
+from parity_tests.hf import hf_cases, hf_models, zoo
 from parity_tests.hf.hf_reference import (
     assert_matches_reference,
     check_bytes,
@@ -20,6 +21,7 @@ from parity_tests.hf.hf_reference import (
 )
 from torch_impl import hf
 from torch_impl.hf.documents import isolates_documents
+from torch_impl.hf.input_checks import check_text
 
 # --- bytes on the wire ------------------------------------------------------------------------
 
@@ -205,6 +207,21 @@ def test_calls_that_cannot_be_exact_raise_on_every_rank(pool, call, says):
     for group_results in pool.run(("block", 2), hf_cases.unsupported_call, "llama", state, batch, call):
         for message, want in zip(group_results, says, strict=True):
             assert message is not None and want in message, message
+
+
+def test_a_setting_from_the_text_config_is_taken_unless_it_adds_each_ranks_aux_loss():
+    """Qwen3-Omni's thinker passes its text config's `output_router_logits` to its model: a setting,
+    not an input; but where it is True with a router_aux_loss_coef, each rank would add its own
+    shard's load-balancing loss: refused, saying how to turn it off."""
+    config = zoo.tiny_config("qwen3_omni_moe_thinker")
+    config.text_config.output_router_logits = True
+    module = SimpleNamespace(config=config)
+    given = {"output_router_logits": True}.get
+    config.text_config.router_aux_loss_coef = 0.0
+    assert check_text(module, given, ["output_router_logits"]) is None
+    config.text_config.router_aux_loss_coef = 0.001
+    message = check_text(module, given, ["output_router_logits"])
+    assert message and "router_aux_loss_coef=0.0" in message and "each CP rank's own" in message, message
 
 
 def signature(**fields):

@@ -63,7 +63,8 @@ def test_unverified_media_are_refused(pool):
 
 
 def test_a_family_refused_for_its_model_says_why():
-    """media.REFUSED's reason, not "not verified", in the adapter's refusal and in docs/models.md."""
+    """A family in media.REFUSED: its reason, not "not verified", in media.refusal's message and in
+    docs/models.md's media column."""
     module = SimpleNamespace(config=SimpleNamespace(model_type="mistral4"))
     message = media.refusal(module, lambda name: None, ["pixel_values"])
     assert media.REFUSED["mistral4"] in message, message

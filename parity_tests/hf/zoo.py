@@ -452,7 +452,8 @@ FAMILY["inkling2"] = dict(  # its projector ends at the text width (the default:
 )
 FAMILY["nemotron_h_omni"] = dict(
     text_config=FAMILY["nemotron_h"],
-    # the vision tower's must equal the model's (2): tiny() rebuilds it from the bare default (None)
+    # video_temporal_patch_size must equal the model config's (2): tiny() builds the vision config
+    # from its class's bare default, where it is None
     vision_config=dict(video_temporal_patch_size=2, patch_size=4, max_img_size=32),
     vision_hidden_size=32,
     projector_hidden_size=48,

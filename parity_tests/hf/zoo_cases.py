@@ -43,8 +43,9 @@ class Float64Steps(TorchFunctionMode):
     """A float64 tensor that the model casts to float32 stays float64 (`x.float()`, `x.to(torch.float32)`,
     `softmax(x, dtype=torch.float32)`, ...), and an integer one cast to float32, or a tensor made
     as float32, is float64 (GLM-4V's image sizes scaling its position table, Qwen3-Omni's table of
-    positions): the model's float32 steps run in float64. A function mode, above autograd, so that
-    autograd records the dtypes the tensors have."""
+    positions): the model's float32 steps run in float64, torch_impl's too (a float32 tensor made
+    there is not checked by these float64 comparisons: the autocast tests run float32). A function
+    mode, above autograd, so that autograd records the dtypes the tensors have."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

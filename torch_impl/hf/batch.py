@@ -28,9 +28,9 @@ def shard_batch(
     takes them without CP; a vision-language processor's `token_type_ids` or `mm_token_type_ids`
     of a text-only batch (all 0: ValueError where one marks an image or video token) are checked
     and dropped, the model then running its text path, which a text-only batch takes in one
-    process too. Images and videos as the processor returns them (`pixel_values`,
-    `image_grid_thw`, `pixel_values_videos`, `video_grid_thw`, `image_sizes`,
-    `second_per_grid_ts`) go to every rank whole, with the shards of the token types; the model's
+    process too. Images and videos as the processor returns them (media.MEDIA_KEYS:
+    `pixel_values`, `image_grid_thw`, `pixel_values_videos`, `video_grid_thw`, `image_sizes`,
+    `second_per_grid_ts`, ...) go to every rank whole, with the shards of the token types; the model's
     pre-hook splits the vision tower's work over the ranks (torch_impl.hf.media). Labels of a
     sequence classification model, one per row ([B] or [B, labels], any float labels), are passed
     whole, with no shift_labels or count.

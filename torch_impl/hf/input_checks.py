@@ -51,6 +51,14 @@ def check_text(module, argument, names):
         error = media.refusal(module, argument, given)
         if error:
             return error
+    coefficient = getattr(_text_config(module), "router_aux_loss_coef", 0.0)
+    if "output_router_logits" in names and argument("output_router_logits") and coefficient:
+        return (
+            f"torch_impl.hf: the model was given output_router_logits=True with router_aux_loss_coef="
+            f"{coefficient}: the MoE router's auxiliary loss would be each CP rank's own, a "
+            "load-balancing statistic of its slice's tokens, not of the sequence's; set "
+            "output_router_logits=False or router_aux_loss_coef=0.0 in the model config"
+        )
     for name in names:
         value = argument(name)
         if name in TEXT_INPUTS or value is None or _config_setting(module, name, value):
@@ -93,9 +101,13 @@ def _config_setting(module, name, value):
     config = getattr(module, "config", None)
     if isinstance(value, torch.Tensor) or config is None:
         return False
-    text = getattr(config, "get_text_config", lambda: config)()
-    settings = (getattr(c, name, _UNSET) for c in (config, text))
+    settings = (getattr(c, name, _UNSET) for c in (config, _text_config(module)))
     return any(setting is not _UNSET and setting == value for setting in settings)
+
+
+def _text_config(module):
+    """The hooked model's text (decoder) config: its config where it has no other."""
+    return module.config.get_text_config(decoder=True)
 
 
 _UNSET = object()

@@ -33,8 +33,10 @@ from torch_impl.sequence import gather_sequence
 
 
 class Modality(NamedTuple):
-    pixels: str  # the processor's pixel values: one entry per item, or per patch where `grid` is given
-    grid: str  # [items, 3]: each item's (t, h, w) patches, whose product is its pixel rows
+    pixels: str  # the processor's pixel values: one entry per item, or per patch where a grid is given
+    grids: (
+        tuple  # names of [items, 3] (t, h, w) or [items, 2] (h, w) patches, whose product is its pixel rows
+    )
     per_item: tuple  # other inputs with one entry per item, split with the pixels
     token_ids: tuple  # the config's names for its placeholder token's id
     encoder: str  # the base model's method from pixels to features
@@ -43,7 +45,7 @@ class Modality(NamedTuple):
 MODALITIES = {
     "image": Modality(
         "pixel_values",
-        "image_grid_thw",
+        ("image_grid_thw", "image_grid_hw"),  # (Nemotron-H Omni's (h, w))
         # (VideoLLaMA 3's merge sizes, LFM2-VL's NaFlex tiles, DeepSeek-VL hybrid's SAM pixels)
         (
             "image_sizes",
@@ -55,10 +57,12 @@ MODALITIES = {
         ("image_token_id", "image_token_index"),
         "get_image_features",
     ),
-    "video": Modality("pixel_values_videos", "video_grid_thw", (), ("video_token_id",), "get_video_features"),
+    "video": Modality(
+        "pixel_values_videos", ("video_grid_thw",), (), ("video_token_id",), "get_video_features"
+    ),
 }
 # what shard_batch passes every rank whole (Qwen2.5-VL's second_per_grid_ts: mRoPE's video timing)
-MEDIA_KEYS = tuple(k for m in MODALITIES.values() for k in (m.pixels, m.grid, *m.per_item)) + (
+MEDIA_KEYS = tuple(k for m in MODALITIES.values() for k in (m.pixels, *m.grids, *m.per_item)) + (
     "second_per_grid_ts",
 )
 # the families whose images are exact under CP (parity_tests/hf/test_hf_media.py); others are refused
@@ -71,9 +75,9 @@ VERIFIED = (
     *("cohere_compass", "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker", "paddleocr_vl", "muse_spark"),
     *("vipllava", "shieldgemma2", "step3p7", "aria", "llava_next", "llava_next_video"),
     *("janus", "kimi_k25", "lfm3_vl", "hunyuan_vl", "inkling2"),
-    *("video_llama_3", "lfm2_vl", "deepseek_vl_hybrid", "llama4"),
+    *("video_llama_3", "lfm2_vl", "deepseek_vl_hybrid", "llama4", "fuyu", "nemotron_h_omni"),
 )
-# families whose media are refused for a reason of the model's: why
+# families whose media are refused for a reason in the model itself: why
 REFUSED = {
     "mistral4": (
         "the class the image-text mapping names (Mistral4ForCausalLM) has no vision tower: "
@@ -82,7 +86,7 @@ REFUSED = {
 }
 # the encoder's output that holds a family's features, where not pooler_output: Llama 4's adapter
 # output, which its forward projects itself (no deepstack features; not the text width)
-FIELD = {"llama4": "last_hidden_state"}
+FIELD = {"llama4": "last_hidden_state", "fuyu": "last_hidden_state"}  # (Fuyu's: its patches' embeddings)
 # those whose videos are too (MiniMax-M3-VL's come out wrong: refused)
 VIDEOS = (
     *("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
@@ -142,15 +146,15 @@ def inputs(module, argument, ids, types, padding, rows, group):
         order = placeholder.flatten().cumsum(0).view_as(placeholder) - 1  # [B, S]: feature of each
         mine = features[order[:, rows][placeholder[:, rows]]]  # [local tokens, W], row-major
         field = FIELD.get(module.config.model_type, "pooler_output")
-        pooled, *deep = (mine,) if field in FIELD.values() else mine.split(width, dim=-1)
+        pooled, *deep = (mine,) if module.config.model_type in FIELD else mine.split(width, dim=-1)
         pooled = pooled[None] if as_tensor else (pooled,)  # as the model's encoder returns them
         outputs[name] = SimpleNamespace(**{field: pooled}, deepstack_features=[(d,) for d in deep])
         changes[modality.pixels] = None
     changes["mm_encoder_outputs"] = outputs
     given = argument("position_ids") is not None
-    positions = None if given else _positions(module, argument, ids, types, padding)  # [3, B, S]
+    positions = None if given else _positions(module, argument, ids, types, padding)  # [axes, B, S]
     if positions is not None:  # the model's mRoPE over the whole rows: this rank's
-        changes["position_ids"] = positions[..., rows]  # [3, B, L]
+        changes["position_ids"] = positions[..., rows]  # [axes, B, L]
         changes["mm_token_type_ids"] = None  # (used for the positions only)
     return changes
 
@@ -221,11 +225,12 @@ def share(weights, n):
 def _encode(module, modality, pixels, argument, group):
     """Every item's features [tokens, W] in item order (pooled, then any deepstack features side by
     side), this rank having encoded its share, and whether the model's encoder returns its pooled
-    features as one tensor (not one per item). Items with a grid are split into their frames
-    (t = 1 each: the Qwen towers attend within a frame), so that one long video is shared too."""
+    features as one tensor (not one per item). Items with a (t, h, w) grid are split into their
+    frames (t = 1 each: the Qwen towers attend within a frame), so that one long video is shared too."""
     n, r = _group.world_size(group), _group.rank(group)
-    grid = argument(modality.grid)
-    if grid is not None and all(argument(key) is None for key in modality.per_item):
+    name = next((key for key in modality.grids if argument(key) is not None), None)
+    grid = None if name is None else argument(name)
+    if grid is not None and grid.shape[-1] == 3 and all(argument(key) is None for key in modality.per_item):
         grid = grid.repeat_interleave(grid[:, 0], dim=0)  # [frames, 3], a new tensor
         grid[:, 0] = 1
     rows = grid.prod(-1) if grid is not None else torch.ones(len(pixels), dtype=torch.long)  # [items]
@@ -240,7 +245,7 @@ def _encode(module, modality, pixels, argument, group):
         start, stop = int(rows[:lo].sum()), int(rows[:hi].sum())
         kwargs = {modality.pixels: pixels[start:stop]}
         if grid is not None:
-            kwargs[modality.grid] = grid[lo:hi]
+            kwargs[name] = grid[lo:hi]
         for key in modality.per_item:
             if argument(key) is not None:
                 kwargs[key] = argument(key)[lo:hi]
@@ -249,9 +254,9 @@ def _encode(module, modality, pixels, argument, group):
             if key not in kwargs and key not in MEDIA_KEYS and argument(key) is not None:
                 kwargs[key] = argument(key)
         out = encoder(**kwargs, return_dict=True)
-        given = getattr(out, FIELD.get(module.config.model_type, "pooler_output"))
-        as_tensor = not isinstance(given, (tuple, list))  # [items, tokens, W], not per item
-        pooled = given if as_tensor else torch.cat(list(given))
+        output = getattr(out, FIELD.get(module.config.model_type, "pooler_output"))
+        as_tensor = not isinstance(output, (tuple, list))  # [items, tokens, W], not per item
+        pooled = output if as_tensor else torch.cat(list(output))
         deep = [torch.cat(list(f)) for f in getattr(out, "deepstack_features", None) or []]
         x = torch.cat([pooled.flatten(0, -2), *deep], dim=-1)  # [tokens, W]
         x = x if kept else x[:0]  # [0, W]: none kept, a zero gradient back through the encoder
