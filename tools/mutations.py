@@ -661,9 +661,9 @@ MUTATIONS += [
     Mutation(  # mRoPE positions computed from each rank's own shard, not over the whole rows
         "mrope_positions_per_shard",
         "torch_impl/hf/media.py",
-        "_positions(module, argument, ids, types, padding)  # [3, B, S]\n"
+        "_positions(module, argument, ids, types, padding)  # [axes, B, S]\n"
         "    if positions is not None:  # the model's mRoPE over the whole rows: this rank's\n"
-        '        changes["position_ids"] = positions[..., rows]  # [3, B, L]',
+        '        changes["position_ids"] = positions[..., rows]  # [axes, B, L]',
         "_positions(module, argument, ids[:, rows], types[:, rows], None)\n"
         "    if positions is not None:\n"
         '        changes["position_ids"] = positions',
