@@ -64,6 +64,12 @@ VISION = {  # the vision tower's tiny sizes: images of 4 tokens
     # 4 x 4 patches pixel-shuffled (ratio 0.5) to 2 x 2: 4 tokens; its projector 48 wide, past the
     # text width (its forward projects the features the ranks exchange). (In float64 its tower's
     # complex rope buffer keeps its real part: both sides run the same tower.)
+    # 4 x 4 patches, Idefics3's and SmolVLM's pixel-shuffled (scale 2) to 4 tokens, Idefics2's
+    # resampled to its perceiver's latents (4: SUBCONFIGS)
+    "idefics2": dict(image_size=16, patch_size=4),
+    "idefics3": dict(image_size=16, patch_size=4),
+    "smolvlm": dict(image_size=16, patch_size=4),
+    "granite_docling": dict(image_size=16, patch_size=4),  # (its fine route: 4 tokens a tile)
     "llama4": dict(
         image_size=16,
         patch_size=4,
@@ -77,6 +83,7 @@ CONFIG = {  # the model config's own fields for these images
     "llava_next": dict(image_grid_pinpoints=[[16, 16]]),
     "llava_next_video": dict(image_grid_pinpoints=[[16, 16]]),
 }
+SUBCONFIGS = {"idefics2": {"perceiver_config": dict(resampler_n_latents=4)}}
 TILES = {"llava_next": 5, "llava_next_video": 5}  # any resolution: pixel_values [3, tiles, C, H, W]
 MM_TOKENS = {"gemma3": 9, "shieldgemma2": 9}  # config.mm_tokens_per_image
 IMAGE_SIZES = ("mistral3", "lighton_ocr", *TILES)  # their images come with their sizes
@@ -112,6 +119,9 @@ def build(model_type):
         config.mm_tokens_per_image = MM_TOKENS[model_type]
     for key, value in CONFIG.get(model_type, {}).items():
         setattr(config, key, value)
+    for sub, fields in SUBCONFIGS.get(model_type, {}).items():
+        for key, value in fields.items():
+            setattr(getattr(config, sub), key, value)
     if hasattr(vision, "out_hidden_size"):  # Qwen's merger projects to the text width
         vision.out_hidden_size = config.get_text_config().hidden_size
     torch.manual_seed(0)
@@ -200,6 +210,19 @@ def media_batch(config, video=False, seed=3, count=4):
         batch["pixel_attention_mask"] = torch.ones(3, patches, dtype=torch.long)
         return batch
     size = vision.image_size[0] if isinstance(vision.image_size, (list, tuple)) else vision.image_size
+    if config.model_type in media.PER_ROW:  # row 0's images A and B, row 1's C and a padding image
+        pixels = torch.randn(2, 2, vision.num_channels, size, size, generator=gen, dtype=torch.float64)
+        if config.model_type == "granite_docling":  # which tiles are real; the fine route taken
+            mask = torch.tensor([[True, True], [True, False]])
+            return batch | {
+                "pixel_values": pixels,
+                "pixel_attention_mask": mask,
+                "tile_fine_mask": mask[:, 0],
+            }
+        pixels[1, 1] = 0
+        mask = torch.ones(2, 2, size, size, dtype=torch.long)
+        mask[1, 1] = 0
+        return batch | {"pixel_values": pixels, "pixel_attention_mask": mask}
     tiles = (TILES[config.model_type],) if config.model_type in TILES else ()
     batch["pixel_values"] = torch.randn(
         3, *tiles, vision.num_channels, size, size, generator=gen, dtype=torch.float64
@@ -233,9 +256,11 @@ def tokens_an_image(model):
     if config.model_type in PATCH_ROWS or config.model_type in HW_GRIDS:
         return PATCH_ROWS.get(config.model_type, 4)
     one = media_batch(config, count=1)
+    first = (slice(1), slice(1)) if config.model_type in media.PER_ROW else slice(1)  # (row 0's first)
     kwargs = {
-        key: one[key][:1] for key in ("pixel_values", *media.MODALITIES["image"].per_item) if key in one
+        key: one[key][first] for key in ("pixel_values", *media.MODALITIES["image"].per_item) if key in one
     }
+    kwargs |= {key: one[key] for key in media.SETTINGS if key in one}
     with torch.no_grad():
         out = model.base_model.get_image_features(**kwargs, return_dict=True)
     pooled = getattr(out, media.FIELD.get(config.model_type, "pooler_output"))

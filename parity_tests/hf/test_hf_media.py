@@ -74,6 +74,16 @@ def test_a_family_refused_for_its_model_says_why():
     assert "no vision tower" in row, row
 
 
+def test_granite_docling_with_a_density_router_is_refused():
+    """Granite Docling's images are split, but its density router (a logit a row from the row's
+    tiles) is not: a config with one is refused, saying so; one without is not."""
+    config = SimpleNamespace(model_type="granite_docling", density_router_hidden_size=8)
+    message = media.refusal(SimpleNamespace(config=config), lambda name: None, ["pixel_values"])
+    assert message and "density router" in message, message
+    config.density_router_hidden_size = None
+    assert "density router" not in str(media.refusal(SimpleNamespace(config=config), lambda n: None, []))
+
+
 def test_unverified_videos_are_refused(pool):
     """MiniMax-M3-VL's images are split, its videos not (the sweep's video comes out wrong): a
     batch with a video is refused, saying so, on every rank."""

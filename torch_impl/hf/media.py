@@ -61,9 +61,13 @@ MODALITIES = {
         "pixel_values_videos", ("video_grid_thw",), (), ("video_token_id",), "get_video_features"
     ),
 }
+# settings the processor gives beside the media, which the encoder takes: Granite Docling's fine
+# route (a row's mask, all True when the batch takes it)
+SETTINGS = ("tile_fine_mask",)
 # what shard_batch passes every rank whole (Qwen2.5-VL's second_per_grid_ts: mRoPE's video timing)
 MEDIA_KEYS = tuple(k for m in MODALITIES.values() for k in (m.pixels, *m.grids, *m.per_item)) + (
     "second_per_grid_ts",
+    *SETTINGS,
 )
 # the families whose images are exact under CP (parity_tests/hf/test_hf_media.py); others are refused
 VERIFIED = (
@@ -76,6 +80,7 @@ VERIFIED = (
     *("vipllava", "shieldgemma2", "step3p7", "aria", "llava_next", "llava_next_video"),
     *("janus", "kimi_k25", "lfm3_vl", "hunyuan_vl", "inkling2"),
     *("video_llama_3", "lfm2_vl", "deepseek_vl_hybrid", "llama4", "fuyu", "nemotron_h_omni"),
+    *("idefics2", "idefics3", "smolvlm", "granite_docling"),
 )
 # families whose media are refused for a reason in the model itself: why
 REFUSED = {
@@ -96,6 +101,10 @@ VIDEOS = (
 # included: `images` numbers them, the attention fetches each image's rest and attends on their
 # rule (torch_impl.hf.attention.attend_images)
 BLOCKWISE = ("gemma3", "shieldgemma2")
+# families whose processors give each row's images, pixel_values [B, images, C, H, W], a row with
+# fewer padded with images the model drops: all zero (their pixel_attention_mask [B, images, H, W]),
+# or false in Granite Docling's pixel_attention_mask [B, images]; their items are the real images
+PER_ROW = ("idefics2", "idefics3", "smolvlm", "granite_docling")
 # the dtypes an encoder's features may have, numbered for the ranks' one exchange of their sizes
 FEATURE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -111,6 +120,12 @@ def refusal(module, argument, media):
     videos = MODALITIES["video"].pixels in media
     if model_type in REFUSED:
         return f"torch_impl.hf: {type(module).__name__} was given {media}: {REFUSED[model_type]}"
+    if getattr(module.config, "density_router_hidden_size", None) is not None:
+        return (
+            f"torch_impl.hf: {type(module).__name__} was given {media} with a density router, which "
+            "pools each row's tiles into the row's logit (and its loss): the adapter splits the "
+            "tiles over the ranks but does not gather them per row for the router"
+        )
     if model_type not in VERIFIED or videos and model_type not in VIDEOS:
         kind, verified = ("videos", VIDEOS) if model_type in VERIFIED else ("vision inputs", VERIFIED)
         return (
@@ -148,7 +163,8 @@ def inputs(module, argument, ids, types, padding, rows, group):
         field = FIELD.get(module.config.model_type, "pooler_output")
         pooled, *deep = (mine,) if module.config.model_type in FIELD else mine.split(width, dim=-1)
         pooled = pooled[None] if as_tensor else (pooled,)  # as the model's encoder returns them
-        outputs[name] = SimpleNamespace(**{field: pooled}, deepstack_features=[(d,) for d in deep])
+        deepstack = [(d,) for d in deep]  # (Granite Docling's forward reads router_logits: no router)
+        outputs[name] = SimpleNamespace(**{field: pooled}, deepstack_features=deepstack, router_logits=None)
         changes[modality.pixels] = None
     changes["mm_encoder_outputs"] = outputs
     given = argument("position_ids") is not None
@@ -222,12 +238,29 @@ def share(weights, n):
     return [(sum(o < r for o in owner), sum(o <= r for o in owner)) for r in range(n)]
 
 
+def _real_images(pixels, argument):
+    """A PER_ROW family's images [B, images, C, H, W] as items: the real ones [items, C, H, W] in
+    row order, by the model's rule (PER_ROW), and `argument` giving their pixel_attention_mask
+    ([items, H, W], or [items] all true)."""
+    flat = pixels.flatten(0, 1)  # [B * images, C, H, W]
+    mask = argument("pixel_attention_mask")
+    if mask is not None and mask.dim() == 2:  # [B, images]: which are real
+        real = mask.flatten().bool()
+    else:  # a padding image is all zero
+        real = flat.flatten(1).ne(0).any(dim=1)  # [B * images]
+    mask = None if mask is None else mask.flatten(0, 1)[real]
+    return flat[real], lambda key: mask if key == "pixel_attention_mask" else argument(key)
+
+
 def _encode(module, modality, pixels, argument, group):
     """Every item's features [tokens, W] in item order (pooled, then any deepstack features side by
     side), this rank having encoded its share, and whether the model's encoder returns its pooled
     features as one tensor (not one per item). Items with a (t, h, w) grid are split into their
     frames (t = 1 each: the Qwen towers attend within a frame), so that one long video is shared too."""
     n, r = _group.world_size(group), _group.rank(group)
+    per_row = module.config.model_type in PER_ROW
+    if per_row:
+        pixels, argument = _real_images(pixels, argument)
     name = next((key for key in modality.grids if argument(key) is not None), None)
     grid = None if name is None else argument(name)
     if grid is not None and grid.shape[-1] == 3 and all(argument(key) is None for key in modality.per_item):
@@ -249,9 +282,11 @@ def _encode(module, modality, pixels, argument, group):
         for key in modality.per_item:
             if argument(key) is not None:
                 kwargs[key] = argument(key)[lo:hi]
+        if per_row:  # one row of them
+            kwargs = {key: value[None] for key, value in kwargs.items()}
         encoder = getattr(module, modality.encoder)
         for key in inspect.signature(encoder).parameters:  # settings the forward passes on
-            if key not in kwargs and key not in MEDIA_KEYS and argument(key) is not None:
+            if key not in kwargs and (key not in MEDIA_KEYS or key in SETTINGS) and argument(key) is not None:
                 kwargs[key] = argument(key)
         out = encoder(**kwargs, return_dict=True)
         output = getattr(out, FIELD.get(module.config.model_type, "pooler_output"))
