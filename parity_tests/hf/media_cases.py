@@ -24,7 +24,7 @@ GRIDS_OF = (
     *("cosmos3_omni", "hyperclovax_vision_v2", "exaone4_5", "minimax_m3_vl", "dots3_note"),
     *("glm4v", "glm4v_moe", "glm46v", "glmga", "glm_ocr", "cosmos3_edge", "ernie4_5_vl_moe"),
     *("cohere_compass", "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker", "paddleocr_vl", "muse_spark"),
-    *("kimi_k25", "lfm3_vl", "hunyuan_vl", "inkling2", "video_llama_3"),
+    *("kimi_k25", "lfm3_vl", "hunyuan_vl", "inkling2", "video_llama_3", "muse_glimmer"),
 )
 PATCHES = ("paddleocr_vl", "kimi_k25")  # their processors give each patch as a [C, P, P] image, not a row
 # grids that are not Qwen's (t, h, w patches, 2 x 2 merged): HunYuan-VL's images take (h/2)(w/2 + 1) + 2
@@ -32,6 +32,13 @@ PATCHES = ("paddleocr_vl", "kimi_k25")  # their processors give each patch as a 
 GRIDS_FOR = {
     "hunyuan_vl": ((1, 4, 4), (1, 2, 4), (1, 4, 4)),  # 8, 5, 8 tokens
     "inkling2": ((1, 2, 4), (1, 2, 2), (1, 2, 4)),  # 8, 4, 8 tokens
+}
+# MiniCPM-V's slices of (h, w) patches, packed side by side: 16x mode, 4 x 4 patches a token; 4x
+# (MiniCPM-OCR's), 2 x 2: 8, 4 and 8 tokens
+PACKED_SIZES = {
+    "minicpmv4_6": ((8, 16), (8, 8), (8, 16)),
+    "minicpmv4_7": ((8, 16), (8, 8), (8, 16)),
+    "minicpm_ocr": ((4, 8), (4, 4), (4, 8)),
 }
 VISION = {  # the vision tower's tiny sizes: images of 4 tokens
     "llava": dict(image_size=16, patch_size=8),
@@ -70,6 +77,11 @@ VISION = {  # the vision tower's tiny sizes: images of 4 tokens
     "idefics3": dict(image_size=16, patch_size=4),
     "smolvlm": dict(image_size=16, patch_size=4),
     "granite_docling": dict(image_size=16, patch_size=4),  # (its fine route: 4 tokens a tile)
+    "llava_onevision": dict(image_size=8, patch_size=4),  # tiles of 2 x 2 patches (SigLIP: no CLS)
+    "ovis2": dict(image_size=8, patch_size=4),  # 4 tokens a tile (hidden_stride 1)
+    # MiniCPM-V: an 8 x 8 position grid; its window merger after layer 0 (at the default 6 the tiny
+    # tower never runs it, while get_image_features still halves the target sizes)
+    **{family: dict(image_size=32, patch_size=4, insert_layer_id=0) for family in PACKED_SIZES},
     "llama4": dict(
         image_size=16,
         patch_size=4,
@@ -82,9 +94,27 @@ VISION = {  # the vision tower's tiny sizes: images of 4 tokens
 CONFIG = {  # the model config's own fields for these images
     "llava_next": dict(image_grid_pinpoints=[[16, 16]]),
     "llava_next_video": dict(image_grid_pinpoints=[[16, 16]]),
+    # A and B share row 0, so are not tiled (a tile and a newline: 5 tokens); C, alone in row 1 and
+    # 8 x 16, is tiled 1 x 2 at pinpoint (8, 16): its base tile, 2 x 4 features, 2 newlines: 14
+    "llava_onevision": dict(image_grid_pinpoints=[[8, 8], [8, 16]]),
+    "ovis2": dict(visual_indicator_token_ids=[86, 87, 88, 89, 90]),  # (its defaults: past the vocabulary)
+    **{family: dict(image_token_id=80, insert_layer_id=0) for family in PACKED_SIZES},  # (default: None)
+}
+CONFIG["minicpmv4_7"] |= dict(
+    image_start_id=86, image_end_id=87, slice_start_id=88, slice_end_id=89, newline_id=90
+)
+COUNTS = {"llava_onevision": (5, 5, 14)}  # placeholder tokens of images A, B, C, where they differ
+# the marks around an image, where its forward reads them (Ovis2's indicators: their own embeddings)
+MARKS = {
+    "ovis2": lambda config: config.visual_indicator_token_ids[::4],
+    "minicpmv4_7": lambda config: (config.image_start_id, config.image_end_id),
 }
 SUBCONFIGS = {"idefics2": {"perceiver_config": dict(resampler_n_latents=4)}}
-TILES = {"llava_next": 5, "llava_next_video": 5}  # any resolution: pixel_values [3, tiles, C, H, W]
+TILES = {
+    "llava_next": 5,
+    "llava_next_video": 5,
+    "llava_onevision": 3,
+}  # any resolution: pixel_values [3, tiles, C, H, W]
 MM_TOKENS = {"gemma3": 9, "shieldgemma2": 9}  # config.mm_tokens_per_image
 IMAGE_SIZES = ("mistral3", "lighton_ocr", *TILES)  # their images come with their sizes
 GRIDS = ((1, 4, 8), (1, 4, 4), (1, 4, 8))  # Qwen's images A, B, C: (t, h, w) patches, 8, 4, 8 tokens
@@ -107,6 +137,10 @@ STARTS_OF = {"gemma3": ((0, 11), (0, 23), (1, 5)), "shieldgemma2": ((0, 11), (0,
 # rows, a token each (no vision tower: a linear layer), 4 an image; Nemotron-H Omni's patch rows with
 # (h, w) grids, 4 x 4 patches pixel-shuffled to 4 tokens
 PATCH_ROWS = {"fuyu": 4}
+VQ_SIDE = {
+    "chameleon": 4,
+    "emu3": 4,
+}  # VQ tokenizers' images: 4 x 4 pixels, 4 tokens (Emu3's 6: a row end a row)
 HW_GRIDS = ("nemotron_h_omni",)
 
 
@@ -159,8 +193,9 @@ def media_batch(config, video=False, seed=3, count=4):
     starts = STARTS_OF.get(config.model_type, STARTS)
     items = [(s, g, 1) for s, g in zip(starts, grids, strict=False)]
     items += [(starts[2], VIDEO, 2)] if video else []
-    for (row, start), grid, kind in items:
-        count = _grid_tokens(config.model_type, grid) if qwen else count
+    counts = _counts(config) or [count] * 3
+    for ((row, start), grid, kind), tokens in zip(items, counts + [count], strict=False):
+        count = _grid_tokens(config.model_type, grid) if qwen else tokens
         segments = [(start, count)]
         if kind == 2 and config.model_type in FRAMES:  # <t> <start> frame <end> <t> <start> frame <end>
             segments = [(start + 2 + 7 * t, count // grid[0]) for t in range(grid[0])]
@@ -169,9 +204,17 @@ def media_batch(config, video=False, seed=3, count=4):
             types[row, first : first + tokens] = kind
             if qwen and None not in marks:  # vision start and end marks, where the config has them
                 ids[row, first - 1], ids[row, first + tokens] = marks
+            if config.model_type in MARKS:
+                ids[row, first - 1], ids[row, first + tokens] = MARKS[config.model_type](config)
     labels = ids.masked_fill(mask == 0, -100)
     batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
     vision = getattr(config, "vision_config", None)
+    if config.model_type in VQ_SIDE:
+        side = VQ_SIDE[config.model_type]
+        batch["pixel_values"] = torch.randn(3, 3, side, side, generator=gen, dtype=torch.float64)
+        return batch | (
+            {"image_sizes": torch.tensor([[side, side]] * 3)} if config.model_type == "emu3" else {}
+        )
     if config.model_type in PATCH_ROWS:  # a [C * P * P] row a token
         width = config.num_channels * config.patch_size**2
         return batch | {"pixel_values": torch.randn(3 * count, width, generator=gen, dtype=torch.float64)}
@@ -201,6 +244,14 @@ def media_batch(config, video=False, seed=3, count=4):
             batch |= {"pixel_values_videos": torch.randn(frames, width, generator=gen, dtype=torch.float64)}
             batch |= {"video_grid_thw": torch.tensor([VIDEO])}
         return batch
+    if config.model_type in PACKED_SIZES:  # every slice's patches side by side, [1, C, P, patches * P]
+        sizes = torch.tensor(PACKED_SIZES[config.model_type], dtype=torch.int32)
+        P, patches = vision.patch_size, int(sizes.prod(-1).sum())
+        pixels = torch.randn(1, vision.num_channels, P, patches * P, generator=gen, dtype=torch.float64)
+        batch |= {"pixel_values": pixels, "target_sizes": sizes}
+        if config.model_type == "minicpmv4_7":  # its canvas mRoPE reads the token types
+            batch["mm_token_type_ids"] = types
+        return batch
     if config.model_type == "lfm2_vl":  # Siglip2's NaFlex: padded patch rows, their shapes and mask
         P, patches = vision.patch_size, vision.num_patches
         batch["pixel_values"] = torch.randn(
@@ -229,12 +280,24 @@ def media_batch(config, video=False, seed=3, count=4):
     )
     if config.model_type in IMAGE_SIZES:
         batch["image_sizes"] = torch.tensor([[size, size]] * 3)
+    if config.model_type == "llava_onevision":  # A and B one tile each, zero-padded; C 8 x 16
+        batch["pixel_values"][:2, 1:] = 0
+        batch["image_sizes"] = torch.tensor([[8, 8], [8, 8], [8, 16]])
+        batch["batch_num_images"] = torch.tensor([2, 1])
     if config.model_type == "deepseek_vl_hybrid":  # each image at SAM's resolution too
         high = config.high_res_vision_config.image_size
         batch["high_res_pixel_values"] = torch.randn(3, 3, high, high, generator=gen, dtype=torch.float64)
     if config.model_type in media.BLOCKWISE:  # its processor's token types: its images' tokens see each other
         batch["token_type_ids"] = types
     return batch
+
+
+def _counts(config):
+    """Images A, B and C's placeholder tokens where they differ (COUNTS, MiniCPM-V's slices), or None."""
+    if config.model_type in PACKED_SIZES:
+        per = 4 if config.downsample_mode == "4x" else 16
+        return [h * w // per for h, w in PACKED_SIZES[config.model_type]]
+    return list(COUNTS[config.model_type]) if config.model_type in COUNTS else None
 
 
 def _grid_tokens(model_type, grid):
@@ -251,7 +314,7 @@ def tokens_an_image(model):
     """How many placeholder tokens one of media_batch's images takes (its features' rows), for the
     families without a grid (Qwen's are counted from it)."""
     config = model.config
-    if config.model_type in GRIDS_OF:
+    if config.model_type in GRIDS_OF or _counts(config):
         return None
     if config.model_type in PATCH_ROWS or config.model_type in HW_GRIDS:
         return PATCH_ROWS.get(config.model_type, 4)
@@ -305,7 +368,9 @@ def _compare(group, model_type, layout, video):
     vision -= {k for k in vision if k.startswith("lm_head")}
     tower = set().union(*towers(one_process)) or vision  # (Fuyu's is one linear layer, with no config)
     gradients = [reference[2][k] for k in tower if reference[2][k] is not None]
-    assert any(g.abs().max() > 0 for g in gradients), "the vision tower gets no gradient"
+    # (a VQ tokenizer gets none: its ids are an argmin; the codes' embedding rows get theirs)
+    trained = model_type not in VQ_SIDE
+    assert any(g.abs().max() > 0 for g in gradients) or not trained, "the vision tower gets no gradient"
     hf.parallelize(model, group, layout=layout, verbose=False)
     logits, loss, grads = zoo_cases._run(model, hf.shard_batch(batch, group, layout=layout))
     # (a rank that encoded no item of its own: zeros for the vision tower and projector)

@@ -56,9 +56,9 @@ def test_one_image_under_bfloat16_autocast(pool, family, n, layout):
 
 
 def test_unverified_media_are_refused(pool):
-    """A family whose images are not verified under CP (LLaVA-OneVision: whether an image is tiled
-    depends on its row's count of images): refused, saying so, on every rank."""
-    for message in pool.run(("first", 2), media_cases.refused, "llava_onevision")[0]:
+    """A family whose images are not verified under CP (Granite 4 Vision: its encoder gives only
+    per-layer deepstack features): refused, saying so, on every rank."""
+    for message in pool.run(("first", 2), media_cases.refused, "granite4_vision")[0]:
         assert message and "its vision inputs are not verified under CP" in message, message
 
 

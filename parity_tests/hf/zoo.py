@@ -371,6 +371,11 @@ FAMILY = {
         out_hidden_size=128,
         projector_hidden_size=48,
     ),
+    "muse_glimmer": dict(  # Muse Spark's tower, without audio: its features at the text width
+        vision_config=dict(patch_size=4, pos_emb_height=4, pos_emb_width=4),
+        out_hidden_size=128,
+        projector_hidden_size=48,
+    ),
     # vocabulary_map (default None): the image placeholder and 8 VQ codes; the VQ shrunk to 8 codes
     "chameleon": dict(
         vocabulary_map={"<image>": 72} | {"IMGIMG" + chr(ord("A") + i) + "Z": 64 + i for i in range(8)},

@@ -45,7 +45,8 @@ class Modality(NamedTuple):
 MODALITIES = {
     "image": Modality(
         "pixel_values",
-        ("image_grid_thw", "image_grid_hw"),  # (Nemotron-H Omni's (h, w))
+        # (Nemotron-H Omni's (h, w); MiniCPM-V's target_sizes: (h, w) patches a slice, packed: PACKED)
+        ("image_grid_thw", "image_grid_hw", "target_sizes"),
         # (VideoLLaMA 3's merge sizes, LFM2-VL's NaFlex tiles, DeepSeek-VL hybrid's SAM pixels)
         (
             "image_sizes",
@@ -68,6 +69,7 @@ SETTINGS = ("tile_fine_mask",)
 MEDIA_KEYS = tuple(k for m in MODALITIES.values() for k in (m.pixels, *m.grids, *m.per_item)) + (
     "second_per_grid_ts",
     *SETTINGS,
+    "batch_num_images",  # LLaVA-OneVision's images a row [B]: made per item by _tiled
 )
 # the families whose images are exact under CP (parity_tests/hf/test_hf_media.py); others are refused
 VERIFIED = (
@@ -81,9 +83,17 @@ VERIFIED = (
     *("janus", "kimi_k25", "lfm3_vl", "hunyuan_vl", "inkling2"),
     *("video_llama_3", "lfm2_vl", "deepseek_vl_hybrid", "llama4", "fuyu", "nemotron_h_omni"),
     *("idefics2", "idefics3", "smolvlm", "granite_docling"),
+    *("llava_onevision", "ovis2", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr"),
+    *("chameleon", "emu3", "muse_glimmer"),
 )
 # families whose media are refused for a reason in the model itself: why
 REFUSED = {
+    "mllama": (
+        "its images enter as cross-attention keys and values (every image tile of the row for "
+        "every text token, masked by a [B, S, images, tiles] cross_attention_mask), not as "
+        "placeholder features: the adapter neither shards that mask nor makes its cross-attention "
+        "layers CP"
+    ),
     "mistral4": (
         "the class the image-text mapping names (Mistral4ForCausalLM) has no vision tower: "
         "Mistral Small 4 takes images as Mistral3ForConditionalGeneration over a mistral4 text model"
@@ -105,6 +115,12 @@ BLOCKWISE = ("gemma3", "shieldgemma2")
 # fewer padded with images the model drops: all zero (their pixel_attention_mask [B, images, H, W]),
 # or false in Granite Docling's pixel_attention_mask [B, images]; their items are the real images
 PER_ROW = ("idefics2", "idefics3", "smolvlm", "granite_docling")
+# families whose processors pack every item's patches side by side, pixel_values [1, C, P, patches * P]
+# (MiniCPM-V's NaViT packing): an item's pixels are its patches' P columns each
+PACKED = ("minicpmv4_6", "minicpmv4_7", "minicpm_ocr")
+# an encoder output's fields that are not per item, which the forward reads beside the features:
+# each rank passes its own call's (Ovis2's visual indicator embeddings: table rows, no pixels)
+SHARED = {"ovis2": ("visual_indicator_features",)}
 # the dtypes an encoder's features may have, numbered for the ranks' one exchange of their sizes
 FEATURE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -151,7 +167,7 @@ def inputs(module, argument, ids, types, padding, rows, group):
         pixels = argument(modality.pixels)
         if pixels is None:
             continue
-        features, as_tensor = _encode(module, modality, pixels, argument, group)  # [tokens, W]
+        features, as_tensor, shared = _encode(module, modality, pixels, argument, group)  # [tokens, W]
         placeholder = ids == _token_id(module.config, modality)  # [B, S]
         if placeholder.sum() != features.shape[0]:
             raise ValueError(
@@ -164,7 +180,9 @@ def inputs(module, argument, ids, types, padding, rows, group):
         pooled, *deep = (mine,) if module.config.model_type in FIELD else mine.split(width, dim=-1)
         pooled = pooled[None] if as_tensor else (pooled,)  # as the model's encoder returns them
         deepstack = [(d,) for d in deep]  # (Granite Docling's forward reads router_logits: no router)
-        outputs[name] = SimpleNamespace(**{field: pooled}, deepstack_features=deepstack, router_logits=None)
+        outputs[name] = SimpleNamespace(
+            **{field: pooled}, deepstack_features=deepstack, router_logits=None, **shared
+        )
         changes[modality.pixels] = None
     changes["mm_encoder_outputs"] = outputs
     given = argument("position_ids") is not None
@@ -213,7 +231,9 @@ def _positions(module, argument, ids, types, padding):
         "past_key_values": None,
         "mm_token_type_ids": types,
     }
-    values |= {key: argument(key) for key in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")}
+    grids = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+    grids += ("target_sizes", "target_sizes_videos", "downsample_mode")  # (MiniCPM-V 4.7's canvas)
+    values |= {key: argument(key) for key in grids}
     taken = inspect.signature(compute).parameters
     return compute(**{key: value for key, value in values.items() if key in taken})
 
@@ -252,14 +272,46 @@ def _real_images(pixels, argument):
     return flat[real], lambda key: mask if key == "pixel_attention_mask" else argument(key)
 
 
+def _tiled(counts, lo, hi):
+    """LLaVA-OneVision's items [lo, hi) given its `batch_num_images` [B] (images a row): an image is
+    tiled only when alone in its row. The order to encode them in (tiled ones first) and the counts
+    that tile just those: 1 each, then the untiled as one row of at least 2 (get_image_features
+    zips its per-image flags with the images, so a row of 2 holding one image leaves it untiled)."""
+    tiled = [int(k) == 1 for k in counts.tolist() for _ in range(int(k))][lo:hi]
+    order = sorted(range(hi - lo), key=lambda i: not tiled[i])  # (stable)
+    untiled = tiled.count(False)
+    return order, torch.tensor([1] * (hi - lo - untiled) + ([max(untiled, 2)] if untiled else []))
+
+
+def _share_inputs(module, modality, pixels, named_grid, rows, lo, hi, argument):
+    """The encoder's inputs for items [lo, hi) (rows: each item's pixel rows), and for
+    LLaVA-OneVision the order they are encoded in (_tiled), else None."""
+    (name, grid), start, stop = named_grid, int(rows[:lo].sum()), int(rows[:hi].sum())
+    kwargs = {modality.pixels: pixels[start:stop]}
+    if module.config.model_type in PACKED:  # [1, C, P, patches * P]: P columns a patch
+        P = pixels.shape[-2]
+        kwargs[modality.pixels] = pixels[..., start * P : stop * P]
+    if grid is not None:
+        kwargs[name] = grid[lo:hi]
+    for key in modality.per_item:
+        if argument(key) is not None:
+            kwargs[key] = argument(key)[lo:hi]
+    if module.config.model_type in PER_ROW:  # one row of them
+        kwargs = {key: value[None] for key, value in kwargs.items()}
+    order = None
+    if modality.pixels == "pixel_values" and argument("batch_num_images") is not None:
+        order, kwargs["batch_num_images"] = _tiled(argument("batch_num_images"), lo, hi)
+        kwargs = {key: value[order] if key != "batch_num_images" else value for key, value in kwargs.items()}
+    return kwargs, order
+
+
 def _encode(module, modality, pixels, argument, group):
     """Every item's features [tokens, W] in item order (pooled, then any deepstack features side by
     side), this rank having encoded its share, and whether the model's encoder returns its pooled
     features as one tensor (not one per item). Items with a (t, h, w) grid are split into their
     frames (t = 1 each: the Qwen towers attend within a frame), so that one long video is shared too."""
     n, r = _group.world_size(group), _group.rank(group)
-    per_row = module.config.model_type in PER_ROW
-    if per_row:
+    if module.config.model_type in PER_ROW:
         pixels, argument = _real_images(pixels, argument)
     name = next((key for key in modality.grids if argument(key) is not None), None)
     grid = None if name is None else argument(name)
@@ -273,17 +325,9 @@ def _encode(module, modality, pixels, argument, group):
     kept = hi > lo
     if not kept and len(rows):
         lo, hi = 0, 1
-    x = None
+    x, shared = None, {}
     if hi > lo:
-        start, stop = int(rows[:lo].sum()), int(rows[:hi].sum())
-        kwargs = {modality.pixels: pixels[start:stop]}
-        if grid is not None:
-            kwargs[name] = grid[lo:hi]
-        for key in modality.per_item:
-            if argument(key) is not None:
-                kwargs[key] = argument(key)[lo:hi]
-        if per_row:  # one row of them
-            kwargs = {key: value[None] for key, value in kwargs.items()}
+        kwargs, order = _share_inputs(module, modality, pixels, (name, grid), rows, lo, hi, argument)
         encoder = getattr(module, modality.encoder)
         for key in inspect.signature(encoder).parameters:  # settings the forward passes on
             if key not in kwargs and (key not in MEDIA_KEYS or key in SETTINGS) and argument(key) is not None:
@@ -291,6 +335,9 @@ def _encode(module, modality, pixels, argument, group):
         out = encoder(**kwargs, return_dict=True)
         output = getattr(out, FIELD.get(module.config.model_type, "pooler_output"))
         as_tensor = not isinstance(output, (tuple, list))  # [items, tokens, W], not per item
+        if order is not None:  # back in item order
+            output = [output[order.index(i)] for i in range(len(order))]
+        shared = {key: getattr(out, key) for key in SHARED.get(module.config.model_type, ())}
         pooled = output if as_tensor else torch.cat(list(output))
         deep = [torch.cat(list(f)) for f in getattr(out, "deepstack_features", None) or []]
         x = torch.cat([pooled.flatten(0, -2), *deep], dim=-1)  # [tokens, W]
@@ -310,4 +357,4 @@ def _encode(module, modality, pixels, argument, group):
         padded = padded.detach().requires_grad_()
     every = gather_sequence(padded, group)[0].view(n, M, W)  # [n, M, W]
     features = torch.cat([every[i, : int(sizes[i, 0])] for i in range(n)])  # [tokens, W]
-    return features, bool(as_tensor)
+    return features, bool(as_tensor), shared
