@@ -390,9 +390,23 @@ MUTATIONS += [
     Mutation(  # Gemma 3: an image's tokens on later ranks not fetched (its block cut at the chunk's end)
         "image_block_cut_at_the_shard_edge",
         "torch_impl/hf/media.py",
-        "torch.cat([spill.amax(dim=0), spill.new_zeros(1), seeing.long()])",
-        "torch.cat([spill.amax(dim=0) * 0, spill.new_zeros(1), seeing.long()])",
+        "torch.cat([spill.amax(dim=0), spill.new_zeros(1), seeing.long(), longest[None]])",
+        "torch.cat([spill.amax(dim=0) * 0, spill.new_zeros(1), seeing.long(), longest[None]])",
         ("parity_tests/hf/test_hf_media.py", "-k", "gemma3 and equals", "-x"),
+    ),
+    Mutation(  # Gemma 4: its full layers' image tokens see their whole image (as Gemma 3's do)
+        "gemma4_images_on_full_layers",
+        "torch_impl/hf/masks.py",
+        "if images is not None and window is None and not images.full:",
+        "if images is not None and window is None and not images:",
+        ("parity_tests/hf/test_hf_media.py", "-k", "gemma4-4", "-x"),
+    ),
+    Mutation(  # Gemma 4 unified: an image longer than the sliding window split (its rule differs)
+        "unified_image_past_the_window",
+        "torch_impl/hf/media.py",
+        "if rule.up_to_window and window is not None and both[-1] > window:",
+        "if rule.up_to_window and window is not None and both[-1] > 2 * window:",
+        ("parity_tests/hf/test_hf_media.py", "-k", "past_the_window"),
     ),
     Mutation(  # Gemma 3: image tokens causal, as text (the bidirectional rule dropped)
         "image_tokens_causal",

@@ -79,6 +79,7 @@ VISION = {  # the vision tower's tiny sizes: images of 4 tokens
     "granite_docling": dict(image_size=16, patch_size=4),  # (its fine route: 4 tokens a tile)
     "llava_onevision": dict(image_size=8, patch_size=4),  # tiles of 2 x 2 patches (SigLIP: no CLS)
     "ovis2": dict(image_size=8, patch_size=4),  # 4 tokens a tile (hidden_stride 1)
+    "inkling_mm_model": dict(patch_size=4),
     # MiniCPM-V: an 8 x 8 position grid; its window merger after layer 0 (at the default 6 the tiny
     # tower never runs it, while get_image_features still halves the target sizes)
     **{family: dict(image_size=32, patch_size=4, insert_layer_id=0) for family in PACKED_SIZES},
@@ -103,7 +104,10 @@ CONFIG = {  # the model config's own fields for these images
 CONFIG["minicpmv4_7"] |= dict(
     image_start_id=86, image_end_id=87, slice_start_id=88, slice_end_id=89, newline_id=90
 )
-COUNTS = {"llava_onevision": (5, 5, 14)}  # placeholder tokens of images A, B, C, where they differ
+# DeepSeek-OCR 2's images: 144 queries and a separator, 144 more a local view (B and C have one),
+# in rows of 480
+COUNTS = {"llava_onevision": (5, 5, 14), "deepseek_ocr2": (145, 289, 289)}
+LENGTH = {"deepseek_ocr2": 480}  # placeholder tokens of images A, B, C, where they differ
 # the marks around an image, where its forward reads them (Ovis2's indicators: their own embeddings)
 MARKS = {
     "ovis2": lambda config: config.visual_indicator_token_ids[::4],
@@ -114,6 +118,7 @@ TILES = {
     "llava_next": 5,
     "llava_next_video": 5,
     "llava_onevision": 3,
+    "granite4_vision": 3,  # (a 16 x 16 image at pinpoint (16, 32): its base tile and 1 x 2: 10 tokens)
 }  # any resolution: pixel_values [3, tiles, C, H, W]
 MM_TOKENS = {"gemma3": 9, "shieldgemma2": 9}  # config.mm_tokens_per_image
 IMAGE_SIZES = ("mistral3", "lighton_ocr", *TILES)  # their images come with their sizes
@@ -130,13 +135,38 @@ STARTS = ((0, 6), (0, 20), (1, 12))  # (row, first placeholder) of A, B, C
 # ranks' edge and ending at a chunk's end (head_tail on 4 ranks: chunks of 4), B at [23, 32) to the
 # row's end, C at [5, 14); on 4 ranks chunk 2's lookahead runs 8 tokens on, past a sliding
 # layer's 7 back, and B and C span three ranks' chunks
-STARTS_OF = {"gemma3": ((0, 11), (0, 23), (1, 5)), "shieldgemma2": ((0, 11), (0, 23), (1, 5))}
+STARTS_OF = {
+    "gemma3": ((0, 11), (0, 23), (1, 5)),
+    "shieldgemma2": ((0, 11), (0, 23), (1, 5)),
+    "gemma4": ((0, 11), (0, 23), (1, 5)),  # (its images on sliding layers only: full layers causal)
+    "deepseek_ocr2": ((0, 6), (0, 158), (1, 12)),  # across 240, and 120 and 360 of 4 ranks' edges
+}
+
+
+def _gemma4_vision(model_type):
+    """Gemma 4's tiny vision configs (the zoo's have none): patches of 4 pixels pooled 2 x 2 (the
+    unified model's rows: merged patches of 8)."""
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4VisionConfig
+    from transformers.models.gemma4_unified.configuration_gemma4_unified import Gemma4UnifiedVisionConfig
+
+    if model_type == "gemma4":
+        sizes = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+        sizes |= dict(num_key_value_heads=2, head_dim=8, position_embedding_size=16)
+        return Gemma4VisionConfig(patch_size=4, pooling_kernel_size=2, **sizes)
+    return Gemma4UnifiedVisionConfig(
+        patch_size=4, pooling_kernel_size=2, mm_embed_dim=16, mm_posemb_size=16, output_proj_dims=16
+    )
+
+
+# Gemma 4's images (h, w pixels): 9 tokens, past its sliding window (8), for gemma4; 8 for the unified
+# model (its sliding layers let an image see itself past the window: images up to it, media.images)
+GEMMA4 = {"gemma4": (24, 24), "gemma4_unified": (16, 32)}
 
 
 # families whose processors give neither Qwen's grids nor [3, C, size, size] images: Fuyu's patch
 # rows, a token each (no vision tower: a linear layer), 4 an image; Nemotron-H Omni's patch rows with
 # (h, w) grids, 4 x 4 patches pixel-shuffled to 4 tokens
-PATCH_ROWS = {"fuyu": 4}
+PATCH_ROWS = {"fuyu": 4, "inkling_mm_model": 4}  # (Inkling's: a [T, P, P, C] patch a token)
 VQ_SIDE = {
     "chameleon": 4,
     "emu3": 4,
@@ -146,6 +176,9 @@ HW_GRIDS = ("nemotron_h_omni",)
 
 def build(model_type):
     config = zoo.tiny_config(model_type)
+    if model_type in GEMMA4:
+        config.vision_config = _gemma4_vision(model_type)
+        config.get_text_config().use_bidirectional_attention = "vision"  # (gemma4's default: None)
     vision = getattr(config, "vision_config", None)  # (Fuyu has none)
     for key, value in VISION.get(model_type, {}).items():
         setattr(vision, key, value)
@@ -184,7 +217,8 @@ def media_batch(config, video=False, seed=3, count=4):
     marks = [getattr(config, k, None) for k in ("vision_start_token_id", "vision_end_token_id")]
     special = {image, video_id, *marks, getattr(config.get_text_config(), "pad_token_id", None)}
     text = torch.tensor([t for t in range(*zoo.TOKENS) if t not in special])
-    ids = text[torch.randint(len(text), (2, S), generator=gen)]
+    length = LENGTH.get(config.model_type, S)
+    ids = text[torch.randint(len(text), (2, length), generator=gen)]
     types = torch.zeros_like(ids)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
@@ -207,8 +241,26 @@ def media_batch(config, video=False, seed=3, count=4):
             if config.model_type in MARKS:
                 ids[row, first - 1], ids[row, first + tokens] = MARKS[config.model_type](config)
     labels = ids.masked_fill(mask == 0, -100)
+    labels[1, 3] = -100  # (as zoo.padded_batch: what the last padding position predicts is left out)
     batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
     vision = getattr(config, "vision_config", None)
+    if config.model_type in GEMMA4:  # patch rows and their (x, y), the same size for every image
+        (h, w), P = GEMMA4[config.model_type], vision.patch_size
+        P *= vision.pooling_kernel_size if config.model_type == "gemma4_unified" else 1
+        xs, ys = torch.meshgrid(torch.arange(w // P), torch.arange(h // P), indexing="xy")
+        where = torch.stack([xs, ys], dim=-1).reshape(-1, 2)  # [patches, 2]
+        pixels = torch.randn(3, len(where), 3 * P * P, generator=gen, dtype=torch.float64)
+        batch |= {"pixel_values": pixels, "image_position_ids": where.expand(3, -1, -1).clone()}
+        return batch | {"mm_token_type_ids": types}
+    if config.model_type == "inkling_mm_model":
+        P, T = vision.patch_size, vision.temporal_patch_size
+        pixels = torch.randn(3 * count, T, P, P, vision.num_channels, generator=gen, dtype=torch.float64)
+        return batch | {"pixel_values": pixels}
+    if config.model_type == "deepseek_ocr2":  # global views, and B's and C's local view
+        side = vision.sam_config.image_size
+        pixels = torch.randn(5, 3, side, side, generator=gen, dtype=torch.float64)
+        batch |= {"pixel_values": pixels[:3], "pixel_values_local": pixels[3:]}
+        return batch | {"num_local_patches": torch.tensor([0, 1, 1])}
     if config.model_type in VQ_SIDE:
         side = VQ_SIDE[config.model_type]
         batch["pixel_values"] = torch.randn(3, 3, side, side, generator=gen, dtype=torch.float64)
@@ -288,7 +340,7 @@ def media_batch(config, video=False, seed=3, count=4):
         high = config.high_res_vision_config.image_size
         batch["high_res_pixel_values"] = torch.randn(3, 3, high, high, generator=gen, dtype=torch.float64)
     if config.model_type in media.BLOCKWISE:  # its processor's token types: its images' tokens see each other
-        batch["token_type_ids"] = types
+        batch[media.BLOCKWISE[config.model_type].key] = types
     return batch
 
 
@@ -327,6 +379,8 @@ def tokens_an_image(model):
     with torch.no_grad():
         out = model.base_model.get_image_features(**kwargs, return_dict=True)
     pooled = getattr(out, media.FIELD.get(config.model_type, "pooler_output"))
+    if config.model_type in media.LAYERED:  # its first layer's features fill the placeholders
+        pooled = out.deepstack_features[0][1]
     return (
         sum(p.shape[0] for p in pooled)
         if isinstance(pooled, (tuple, list))
@@ -432,6 +486,7 @@ def one_image(batch, config, count):
     text = batch["input_ids"][0, 0]  # a text token (row 0 starts with text)
     ids = torch.where(placeholder & (order > count), text, batch["input_ids"])
     one = dict(batch, input_ids=ids, labels=ids.masked_fill(batch["attention_mask"] == 0, -100))
+    one["labels"][1, 3] = -100  # (as media_batch)
     one["pixel_values"] = batch["pixel_values"][:1]
     if "token_type_ids" in batch:
         one["token_type_ids"] = (ids == image).long()

@@ -14,6 +14,7 @@ from parity_tests.hf import media_cases
 from tools import model_sweep
 from torch_impl import hf
 from torch_impl.hf import media
+from torch_impl.layout import ShardPlan
 
 # every family on 4 ranks under head_tail in `make test` (a video: a frame per rank), on 2 ranks
 # (contiguous) in `make test-all`
@@ -55,11 +56,18 @@ def test_one_image_under_bfloat16_autocast(pool, family, n, layout):
         assert max(ratios.values()) <= 1, (family, ratios)
 
 
-def test_unverified_media_are_refused(pool):
-    """A family whose images are not verified under CP (Granite 4 Vision: its encoder gives only
-    per-layer deepstack features): refused, saying so, on every rank."""
-    for message in pool.run(("first", 2), media_cases.refused, "granite4_vision")[0]:
-        assert message and "its vision inputs are not verified under CP" in message, message
+def test_media_refused_for_their_model_on_every_rank(pool):
+    """A family whose media are refused for a reason in its model (Mllama: its images enter as
+    cross-attention keys and values): refused, saying why, on every rank."""
+    for message in pool.run(("first", 2), media_cases.refused, "mllama")[0]:
+        assert message and "cross-attention keys and values" in message, message
+
+
+def test_unverified_media_are_refused():
+    """A family not in media.VERIFIED (a new release's): its media refused, saying so."""
+    module = SimpleNamespace(config=SimpleNamespace(model_type="next_vlm"))
+    message = media.refusal(module, lambda name: None, ["pixel_values"])
+    assert "next_vlm its vision inputs are not verified under CP" in message, message
 
 
 def test_a_family_refused_for_its_model_says_why():
@@ -82,6 +90,36 @@ def test_granite_docling_with_a_density_router_is_refused():
     assert message and "density router" in message, message
     config.density_router_hidden_size = None
     assert "density router" not in str(media.refusal(SimpleNamespace(config=config), lambda n: None, []))
+
+
+def _gemma4(model_type, gate, window=8):
+    """A stand-in for a Gemma 4 model for media.images: its config's type, gate and window."""
+    text = SimpleNamespace(use_bidirectional_attention=gate, sliding_window=window)
+    return SimpleNamespace(config=SimpleNamespace(model_type=model_type, get_text_config=lambda: text))
+
+
+def test_gemma4_images_follow_their_gate_and_layers():
+    """Gemma 4's images and videos (types 1 and 2, one run) are blocks only where its gate is
+    "vision", and on its sliding layers only; the unified model's on every layer."""
+    types = torch.tensor([[0, 1, 1, 2, 0, 1, 0, 0]])
+    shard = ShardPlan.of("contiguous", 2, 0, 4)
+    assert media.images(_gemma4("gemma4", None), types, shard) is None
+    found = media.images(_gemma4("gemma4", "vision"), types, shard)
+    assert found.ids.tolist() == [[-1, 0, 0, 0, -1, 1, -1, -1]] and not found.full
+    assert found.ahead == (0, 0) and found.seeing == frozenset({0, 1})
+    assert media.images(_gemma4("gemma4_unified", "vision"), types, shard).full
+
+
+def test_unified_images_past_the_window_are_refused():
+    """The unified model's sliding layers let an image see itself past the window, which the
+    attention's rule does not: an image longer than the window is refused; one as long is not."""
+    shard = ShardPlan.of("contiguous", 2, 0, 8)
+    types = torch.zeros(1, 16, dtype=torch.long)
+    types[0, 2:10] = 1  # 8 tokens: the window
+    assert media.images(_gemma4("gemma4_unified", "vision"), types, shard) is not None
+    types[0, 10] = 1
+    with pytest.raises(ValueError, match=r"an image of 9 tokens, longer than its sliding_window \(8\)"):
+        media.images(_gemma4("gemma4_unified", "vision"), types, shard)
 
 
 def test_unverified_videos_are_refused(pool):

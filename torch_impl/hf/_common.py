@@ -42,6 +42,7 @@ class Images(NamedTuple):
     ids: torch.Tensor  # int [B, S] by global row: each token's image, -1 for text
     ahead: tuple  # per global chunk, how far past its end the image holding its last token runs on
     seeing: frozenset  # the global chunks holding image tokens (in any row)
+    full: bool = True  # whether full-attention layers see them too (Gemma 4's: sliding layers only)
 
 
 class Aside(NamedTuple):

@@ -244,15 +244,16 @@ class ModelInputs:
         padded = None if padding is None else gather(padding.bool())
         changes, images = {}, None
         if media.given(argument, self.arguments.names):  # images, videos: the model's merge, sharded
-            types = next((argument(k) for k in TYPE_KEYS if argument(k) is not None), None)
+            rule = media.BLOCKWISE.get(getattr(module.config, "model_type", None))
+            keys = TYPE_KEYS if rule is None else (rule.key, *TYPE_KEYS)  # (the types its masks read first)
+            types = next((argument(k) for k in keys if argument(k) is not None), None)
             types = None if types is None else gather(types)  # [B, S]
             ids, rows = gather(argument("input_ids")), shard.rows(tokens.device)  # [B, S], [L]
             changes = media.inputs(module, argument, ids, types, padded, rows, self.group)
             positions = changes.pop("position_ids", positions)  # [3, B, L] where the model's mRoPE
-            if argument("token_type_ids") is not None:  # (TYPE_KEYS' first: what Gemma 3's masks read)
+            if rule is not None and argument(rule.key) is not None:  # the types its masks read
                 images = media.images(module, types, shard)
-            if images is not None:  # the model makes causal masks; the attention adds the images
-                changes["token_type_ids"] = None
+                changes[rule.key] = None  # the model makes causal masks; the attention adds the images
         documents = everywhere = None
         packed = positions is not None and positions.ndim == 2 and padding is None and cache is None
         packed = packed and not creates_cache

@@ -116,6 +116,8 @@ def make_mask(context, attention_mask, window, documents):
         )
     padding = None if attention_mask is None else context.padding  # bool [B, S]
     images = context.images
+    if images is not None and window is None and not images.full:  # plain causal on full layers
+        images = None
     first = None if documents is None else documents.first_rows()  # [B, S]
     ahead = 0 if images is None else images.ahead  # per global chunk: its images' tokens after it
     chunks = tuple(

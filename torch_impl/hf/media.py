@@ -51,9 +51,11 @@ MODALITIES = {
         (
             "image_sizes",
             "image_merge_sizes",
+            "image_position_ids",  # (Gemma 4's patches' (x, y))
             "spatial_shapes",
             "pixel_attention_mask",
             "high_res_pixel_values",
+            "num_local_patches",  # (DeepSeek-OCR 2's local views an image: COUNTED)
         ),
         ("image_token_id", "image_token_index"),
         "get_image_features",
@@ -69,6 +71,7 @@ SETTINGS = ("tile_fine_mask",)
 MEDIA_KEYS = tuple(k for m in MODALITIES.values() for k in (m.pixels, *m.grids, *m.per_item)) + (
     "second_per_grid_ts",
     *SETTINGS,
+    "pixel_values_local",
     "batch_num_images",  # LLaVA-OneVision's images a row [B]: made per item by _tiled
 )
 # the families whose images are exact under CP (parity_tests/hf/test_hf_media.py); others are refused
@@ -84,7 +87,8 @@ VERIFIED = (
     *("video_llama_3", "lfm2_vl", "deepseek_vl_hybrid", "llama4", "fuyu", "nemotron_h_omni"),
     *("idefics2", "idefics3", "smolvlm", "granite_docling"),
     *("llava_onevision", "ovis2", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr"),
-    *("chameleon", "emu3", "muse_glimmer"),
+    *("chameleon", "emu3", "muse_glimmer", "gemma4", "gemma4_unified", "granite4_vision", "deepseek_ocr2"),
+    *("inkling_mm_model",),
 )
 # families whose media are refused for a reason in the model itself: why
 REFUSED = {
@@ -107,10 +111,28 @@ VIDEOS = (
     *("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
     *("hyperclovax_vision_v2", "exaone4_5"),
 )
-# families whose image tokens (token_type_ids 1) see every token of their image, later ones
-# included: `images` numbers them, the attention fetches each image's rest and attends on their
-# rule (torch_impl.hf.attention.attend_images)
-BLOCKWISE = ("gemma3", "shieldgemma2")
+
+
+class Blockwise(NamedTuple):
+    """A family whose media tokens see every token of their image (or video), later ones included:
+    `images` numbers them (runs of such tokens, as transformers' get_block_sequence_ids_for_mask),
+    the attention fetches each image's rest and attends on their rule (attention.attend_images)."""
+
+    key: str  # the input holding the token types the model's masks read (the adapter drops it)
+    types: tuple  # the types whose runs are blocks
+    full: bool  # whether full-attention layers see the blocks too (else only sliding layers)
+    vision_gate: bool  # only where the text config's use_bidirectional_attention is "vision"
+    up_to_window: bool  # its sliding layers see an image past the window: images up to it only
+
+
+BLOCKWISE = {
+    "gemma3": Blockwise("token_type_ids", (1,), True, False, False),
+    "shieldgemma2": Blockwise("token_type_ids", (1,), True, False, False),
+    # Gemma 4's images and videos, on its sliding layers only; the unified model's on every layer,
+    # its sliding window applied before the images (exact where no image is longer than the window)
+    "gemma4": Blockwise("mm_token_type_ids", (1, 2), False, True, False),
+    "gemma4_unified": Blockwise("mm_token_type_ids", (1, 2), True, True, True),
+}
 # families whose processors give each row's images, pixel_values [B, images, C, H, W], a row with
 # fewer padded with images the model drops: all zero (their pixel_attention_mask [B, images, H, W]),
 # or false in Granite Docling's pixel_attention_mask [B, images]; their items are the real images
@@ -121,6 +143,12 @@ PACKED = ("minicpmv4_6", "minicpmv4_7", "minicpm_ocr")
 # an encoder output's fields that are not per item, which the forward reads beside the features:
 # each rank passes its own call's (Ovis2's visual indicator embeddings: table rows, no pixels)
 SHARED = {"ovis2": ("visual_indicator_features",)}
+# ragged per-item inputs: each -> the per-item input counting an item's entries in it
+# (DeepSeek-OCR 2's local views)
+COUNTED = {"pixel_values_local": "num_local_patches"}
+# families whose encoder gives no pooled features, only deepstack_features as (text layer, per-item
+# features) pairs, each added at its layer (Granite 4 Vision's; the first fills the placeholders)
+LAYERED = ("granite4_vision",)
 # the dtypes an encoder's features may have, numbered for the ranks' one exchange of their sizes
 FEATURE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -180,6 +208,10 @@ def inputs(module, argument, ids, types, padding, rows, group):
         pooled, *deep = (mine,) if module.config.model_type in FIELD else mine.split(width, dim=-1)
         pooled = pooled[None] if as_tensor else (pooled,)  # as the model's encoder returns them
         deepstack = [(d,) for d in deep]  # (Granite Docling's forward reads router_logits: no router)
+        if module.config.model_type in LAYERED:  # (text layer, features) pairs, the first's included
+            config = module.config
+            layers = [text for _, text in config.deepstack_layer_map] + list(config.spatial_target_layers)
+            deepstack = list(zip(layers, [pooled, *deepstack], strict=True))
         outputs[name] = SimpleNamespace(
             **{field: pooled}, deepstack_features=deepstack, router_logits=None, **shared
         )
@@ -194,16 +226,18 @@ def inputs(module, argument, ids, types, padding, rows, group):
 
 
 def images(module, types, shard):
-    """For a family in BLOCKWISE, whose images' tokens see each other: its Images (each token's
-    image numbered as transformers' get_block_sequence_ids_for_mask does: runs of image tokens;
-    per global chunk how far its last token's image runs on past its end, the most over the
-    batch's rows; the chunks holding image tokens), in one host read; else None (ValueError where
-    the installed transformers numbers them otherwise: torch_impl.hf.upstream). types: the
-    gathered `token_type_ids` [B, S] (the types the model's masks read), or None."""
-    if types is None or getattr(module.config, "model_type", None) not in BLOCKWISE:
+    """For a family in BLOCKWISE whose rule is on, given its token types: its Images (each token's
+    block numbered as transformers' get_block_sequence_ids_for_mask does: runs of the rule's types;
+    per global chunk how far its last token's block runs on past its end, the most over the
+    batch's rows; the chunks holding blocks), in one host read; else None (ValueError where the
+    installed transformers numbers them otherwise: torch_impl.hf.upstream, or where an image is
+    longer than a window its rule needs it within). types: the gathered types [B, S], or None."""
+    rule = BLOCKWISE.get(getattr(module.config, "model_type", None))
+    vision = getattr(module.config.get_text_config(), "use_bidirectional_attention", None) == "vision"
+    if types is None or rule is None or rule.vision_gate and not vision:
         return None
     upstream.check("torch_impl.hf.media.images")
-    image = types == 1  # [B, S]
+    image = torch.isin(types, torch.tensor(rule.types, device=types.device))  # [B, S]
     starts = image & ~F.pad(image, (1, 0))[:, :-1]
     ids = torch.where(image, starts.long().cumsum(dim=1) - 1, -1)  # [B, S]
     (B, S), C, count = ids.shape, shard.chunk_len, shard.num_chunks
@@ -214,8 +248,17 @@ def images(module, types, shard):
     ends = torch.arange(C, count * C, C, device=ids.device)  # [count - 1]: every chunk's end but the last's
     spill = torch.where(image[:, ends - 1], run_end[:, ends - 1] - ends, 0).clamp(min=0)  # [B, count - 1]
     seeing = image.view(B, count, C).any(dim=2).any(dim=0)  # [count]
-    both = torch.cat([spill.amax(dim=0), spill.new_zeros(1), seeing.long()]).tolist()
-    return Images(ids, tuple(both[:count]), frozenset(c for c in range(count) if both[count + c]))
+    longest = image.new_zeros(B, S, dtype=torch.long).scatter_add(1, ids.clamp(min=0), image.long()).amax()
+    both = torch.cat([spill.amax(dim=0), spill.new_zeros(1), seeing.long(), longest[None]]).tolist()
+    window = getattr(module.config.get_text_config(), "sliding_window", None)
+    if rule.up_to_window and window is not None and both[-1] > window:
+        raise ValueError(
+            f"torch_impl.hf: {module.config.model_type}'s sliding layers let an image's tokens see "
+            f"their whole image beyond the window; an image of {both[-1]} tokens, longer than its "
+            f"sliding_window ({window}), is not split under CP"
+        )
+    ahead, seen = tuple(both[:count]), frozenset(c for c in range(count) if both[count + c])
+    return Images(ids, ahead, seen, rule.full)
 
 
 def _positions(module, argument, ids, types, padding):
@@ -296,6 +339,10 @@ def _share_inputs(module, modality, pixels, named_grid, rows, lo, hi, argument):
     for key in modality.per_item:
         if argument(key) is not None:
             kwargs[key] = argument(key)[lo:hi]
+    for key, count in COUNTED.items():  # ragged: an item's entries are its count's
+        if argument(key) is not None and argument(count) is not None:
+            a, b = int(argument(count)[:lo].sum()), int(argument(count)[:hi].sum())
+            kwargs[key] = argument(key)[a:b] if b > a else None  # (no views: none to encode)
     if module.config.model_type in PER_ROW:  # one row of them
         kwargs = {key: value[None] for key, value in kwargs.items()}
     order = None
@@ -333,13 +380,18 @@ def _encode(module, modality, pixels, argument, group):
             if key not in kwargs and (key not in MEDIA_KEYS or key in SETTINGS) and argument(key) is not None:
                 kwargs[key] = argument(key)
         out = encoder(**kwargs, return_dict=True)
-        output = getattr(out, FIELD.get(module.config.model_type, "pooler_output"))
+        layered = module.config.model_type in LAYERED  # (its first layer's features as the pooled)
+        pairs = out.deepstack_features if layered else None
+        output = (
+            pairs[0][1] if layered else getattr(out, FIELD.get(module.config.model_type, "pooler_output"))
+        )
         as_tensor = not isinstance(output, (tuple, list))  # [items, tokens, W], not per item
         if order is not None:  # back in item order
             output = [output[order.index(i)] for i in range(len(order))]
         shared = {key: getattr(out, key) for key in SHARED.get(module.config.model_type, ())}
         pooled = output if as_tensor else torch.cat(list(output))
-        deep = [torch.cat(list(f)) for f in getattr(out, "deepstack_features", None) or []]
+        deep = [f for _, f in pairs[1:]] if layered else getattr(out, "deepstack_features", None) or []
+        deep = [torch.cat(list(f)) for f in deep]
         x = torch.cat([pooled.flatten(0, -2), *deep], dim=-1)  # [tokens, W]
         x = x if kept else x[:0]  # [0, W]: none kept, a zero gradient back through the encoder
     embeddings = module.get_input_embeddings().weight

@@ -9,8 +9,9 @@ to use, before it runs:
 
 - torch_impl.hf.scans.LightningAttention (with its `from_zero`): MiniMax's lightning attention
   forward; refused as its kind is picked for a layer (torch_impl.hf.recurrent.RECURRENCES).
-- torch_impl.hf.media.images: Gemma 3's numbering of its images' tokens (runs of image tokens),
-  which the attention's image rule reads; refused as a batch's images are numbered.
+- torch_impl.hf.media.images: Gemma 3's and Gemma 4's numbering of their images' tokens (runs of
+  image tokens) and the layers and order their masks apply it in, which the attention's image
+  rule reads; refused as a batch's images are numbered.
 - torch_impl.hf.documents.ISOLATES: which model classes hand their mask functions the
   position_ids. What that does is transformers' rule, which the adapter restates (documents and
   inputs: packed rows, torch_impl.layout.packed_ids) and which is recorded here: rows are packed
@@ -41,6 +42,14 @@ RESTATED = {
     },
     "torch_impl.hf.media.images": {
         "transformers.models.gemma3.modeling_gemma3:get_block_sequence_ids_for_mask": "7d94356db5dd8669",
+        # Gemma 4's: images and videos, on sliding layers only, where its gate is "vision"
+        "transformers.models.gemma4.modeling_gemma4:get_block_sequence_ids_for_mask": "d1d890e748d45932",
+        "transformers.models.gemma4.modeling_gemma4:create_masks_for_vision_model": "9eaf2b7dbfe4d419",
+        "transformers.models.gemma4.modeling_gemma4:Gemma4Model.forward": "b0f75616224ec6c9",
+        # the unified model's: on every layer, the sliding window applied before the images
+        "transformers.models.gemma4_unified.modeling_gemma4_unified:"
+        "Gemma4UnifiedModel.forward": "8041ad68023da032",
+        "transformers.masking_utils:create_sliding_window_causal_mask": "410bd7e79f2729a5",
     },
 }
 
