@@ -104,10 +104,10 @@ CONFIG = {  # the model config's own fields for these images
 CONFIG["minicpmv4_7"] |= dict(
     image_start_id=86, image_end_id=87, slice_start_id=88, slice_end_id=89, newline_id=90
 )
-# DeepSeek-OCR 2's images: 144 queries and a separator, 144 more a local view (B and C have one),
-# in rows of 480
-COUNTS = {"llava_onevision": (5, 5, 14), "deepseek_ocr2": (145, 289, 289)}
-LENGTH = {"deepseek_ocr2": 480}  # placeholder tokens of images A, B, C, where they differ
+# DeepSeek-OCR 2's images: 144 queries and a separator (global views: local ones are refused), in
+# rows of 320
+COUNTS = {"llava_onevision": (5, 5, 14), "deepseek_ocr2": (145, 145, 145)}
+LENGTH = {"deepseek_ocr2": 320}  # placeholder tokens of images A, B, C, where they differ
 # the marks around an image, where its forward reads them (Ovis2's indicators: their own embeddings)
 MARKS = {
     "ovis2": lambda config: config.visual_indicator_token_ids[::4],
@@ -139,7 +139,7 @@ STARTS_OF = {
     "gemma3": ((0, 11), (0, 23), (1, 5)),
     "shieldgemma2": ((0, 11), (0, 23), (1, 5)),
     "gemma4": ((0, 11), (0, 23), (1, 5)),  # (its images on sliding layers only: full layers causal)
-    "deepseek_ocr2": ((0, 6), (0, 158), (1, 12)),  # across 240, and 120 and 360 of 4 ranks' edges
+    "deepseek_ocr2": ((0, 6), (0, 158), (1, 12)),  # across 160, and 80 and 240 of 4 ranks' edges
 }
 
 
@@ -256,11 +256,10 @@ def media_batch(config, video=False, seed=3, count=4):
         P, T = vision.patch_size, vision.temporal_patch_size
         pixels = torch.randn(3 * count, T, P, P, vision.num_channels, generator=gen, dtype=torch.float64)
         return batch | {"pixel_values": pixels}
-    if config.model_type == "deepseek_ocr2":  # global views, and B's and C's local view
+    if config.model_type == "deepseek_ocr2":  # global views (the processor's count of local ones: 0)
         side = vision.sam_config.image_size
-        pixels = torch.randn(5, 3, side, side, generator=gen, dtype=torch.float64)
-        batch |= {"pixel_values": pixels[:3], "pixel_values_local": pixels[3:]}
-        return batch | {"num_local_patches": torch.tensor([0, 1, 1])}
+        pixels = torch.randn(3, 3, side, side, generator=gen, dtype=torch.float64)
+        return batch | {"pixel_values": pixels, "num_local_patches": torch.tensor([0, 0, 0])}
     if config.model_type in VQ_SIDE:
         side = VQ_SIDE[config.model_type]
         batch["pixel_values"] = torch.randn(3, 3, side, side, generator=gen, dtype=torch.float64)

@@ -89,7 +89,22 @@ def test_granite_docling_with_a_density_router_is_refused():
     message = media.refusal(SimpleNamespace(config=config), lambda name: None, ["pixel_values"])
     assert message and "density router" in message, message
     config.density_router_hidden_size = None
-    assert "density router" not in str(media.refusal(SimpleNamespace(config=config), lambda n: None, []))
+    ids = {"input_ids": torch.ones(1, 4, dtype=torch.long)}
+    assert media.refusal(SimpleNamespace(config=config), ids.get, ["pixel_values"]) is None
+
+
+def test_local_views_and_packed_rows_of_patches_are_refused():
+    """DeepSeek-OCR 2's local views (ranks would call the tower a different number of times, which
+    FSDP2 cannot pair) and MiniCPM-V's pixel_values of more than one row (the model encodes the
+    first): refused, saying why."""
+    given = {"input_ids": torch.ones(1, 4, dtype=torch.long), "pixel_values_local": torch.zeros(1, 3, 8, 8)}
+    ocr = SimpleNamespace(config=SimpleNamespace(model_type="deepseek_ocr2"))
+    assert "local views" in media.refusal(ocr, given.get, ["pixel_values", "pixel_values_local"])
+    given = {"input_ids": torch.ones(1, 4, dtype=torch.long), "pixel_values": torch.zeros(2, 3, 4, 32)}
+    minicpm = SimpleNamespace(config=SimpleNamespace(model_type="minicpmv4_6"))
+    assert "pixel_values of 2 rows" in media.refusal(minicpm, given.get, ["pixel_values"])
+    given["pixel_values"] = given["pixel_values"][:1]
+    assert media.refusal(minicpm, given.get, ["pixel_values"]) is None
 
 
 def _gemma4(model_type, gate, window=8):

@@ -32,11 +32,11 @@ class Context(NamedTuple):
     chunks: Documents | None  # chunked-attention layers' attention chunks (within documents)
     padding: torch.Tensor | None  # the attention_mask by global row, bool [B, S]; None: none given
     kinds: frozenset | None  # the attention layer types the model has; None: any mask it makes
-    images: "Images | None" = None  # images whose tokens see each other (Gemma 3's); None: none
+    images: "Images | None" = None  # images whose tokens see each other (Gemma 3's, 4's); None: none
 
 
 class Images(NamedTuple):
-    """A batch's images whose tokens see every token of their image (Gemma 3's), the same on every
+    """A batch's images whose tokens see every token of their image (Gemma 3's, 4's), the same on every
     CP rank (from the gathered token types), made once per forward (torch_impl.hf.media.images)."""
 
     ids: torch.Tensor  # int [B, S] by global row: each token's image, -1 for text

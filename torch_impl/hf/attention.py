@@ -6,9 +6,9 @@ over, with their padding and documents). It fetches its K and V in one exchange 
 gather_sequence or gather_halo of both side by side) and attends per chunk at global rows
 (`attend_chunks`) through torch_impl.attention, or, for layers whose math it does not compute,
 through the model's own function on a dense [C, T] mask (`attend`). Where image tokens see every
-token of their image (Gemma 3's; the Context's Images), a chunk's keys run on past its end as far
-as its last token's image (the fetch's lookahead), and a chunk holding image tokens attends on
-their rule (`attend_images`, `image_rule`).
+token of their image (Gemma 3's and 4's: media.BLOCKWISE; the Context's Images), a chunk's keys
+run on past its end as far as its last token's image (the fetch's lookahead), and a chunk holding
+image tokens attends on their rule (`attend_images`, `image_rule`).
 """
 
 from collections.abc import Callable
@@ -137,7 +137,7 @@ def attend_images(module, query, key, value, keys, window, kwargs):
 
 def image_rule(keys, window, queries, cut, device):
     """bool [B, q, k]: which keys (ChunkKeys columns `cut`) queries at global rows `queries` see
-    where image tokens see every token of their image (Gemma 3's masks): causal, or the same
+    where image tokens see every token of their image (Gemma 3's and 4's masks): causal, or the same
     image; then within the window (W - 1 back, any distance forward) and not padding."""
     w = keys.chunk
     q = torch.arange(queries.start, queries.stop, device=device)[:, None]  # [q, 1]

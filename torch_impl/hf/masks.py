@@ -6,7 +6,7 @@ document's or attention chunk's start) and, per chunk the rank holds (torch_impl
 one contiguous, two under head_tail), which rows of the fetched keys it attends over and their
 padding, cut from the padding the pre-hook gathered once per forward (a mask function communicates
 nothing: some models make their masks in an order that differs between processes). Where image
-tokens see every token of their image (Gemma 3's; the Context's Images), a chunk's keys run on past
+tokens see every token of their image (Gemma 3's and 4's; the Context's Images), a chunk's keys run on past
 its end as far as its last token's image (the LocalMask's lookahead) and carry their image ids."""
 
 from typing import NamedTuple

@@ -55,7 +55,7 @@ MODALITIES = {
             "spatial_shapes",
             "pixel_attention_mask",
             "high_res_pixel_values",
-            "num_local_patches",  # (DeepSeek-OCR 2's local views an image: COUNTED)
+            "num_local_patches",  # (DeepSeek-OCR 2's local views an image: none, LOCAL_VIEWS)
         ),
         ("image_token_id", "image_token_index"),
         "get_image_features",
@@ -71,7 +71,7 @@ SETTINGS = ("tile_fine_mask",)
 MEDIA_KEYS = tuple(k for m in MODALITIES.values() for k in (m.pixels, *m.grids, *m.per_item)) + (
     "second_per_grid_ts",
     *SETTINGS,
-    "pixel_values_local",
+    "pixel_values_local",  # (refused: LOCAL_VIEWS)
     "batch_num_images",  # LLaVA-OneVision's images a row [B]: made per item by _tiled
 )
 # the families whose images are exact under CP (parity_tests/hf/test_hf_media.py); others are refused
@@ -143,9 +143,10 @@ PACKED = ("minicpmv4_6", "minicpmv4_7", "minicpm_ocr")
 # an encoder output's fields that are not per item, which the forward reads beside the features:
 # each rank passes its own call's (Ovis2's visual indicator embeddings: table rows, no pixels)
 SHARED = {"ovis2": ("visual_indicator_features",)}
-# ragged per-item inputs: each -> the per-item input counting an item's entries in it
-# (DeepSeek-OCR 2's local views)
-COUNTED = {"pixel_values_local": "num_local_patches"}
+# local views beside each image's global one (DeepSeek-OCR 2's, Step 3.7's): a rank whose share of
+# the images has none would call the tower once, one with some twice, which FSDP2's per-call
+# gathers of its layers cannot pair; refused (the global views alone are split)
+LOCAL_VIEWS = "pixel_values_local"
 # families whose encoder gives no pooled features, only deepstack_features as (text layer, per-item
 # features) pairs, each added at its layer (Granite 4 Vision's; the first fills the placeholders)
 LAYERED = ("granite4_vision",)
@@ -164,6 +165,20 @@ def refusal(module, argument, media):
     videos = MODALITIES["video"].pixels in media
     if model_type in REFUSED:
         return f"torch_impl.hf: {type(module).__name__} was given {media}: {REFUSED[model_type]}"
+    if argument(LOCAL_VIEWS) is not None and argument(LOCAL_VIEWS).numel():
+        return (
+            f"torch_impl.hf: {type(module).__name__} was given local views ({LOCAL_VIEWS}): a rank "
+            "whose share of the images has none would call the vision tower a different number of "
+            "times from one whose share has some, which FSDP2's gathers of its layers cannot pair; "
+            "pass the global views alone"
+        )
+    pixels = argument(MODALITIES["image"].pixels)
+    if model_type in PACKED and pixels is not None and pixels.shape[0] != 1:
+        return (
+            f"torch_impl.hf: {type(module).__name__} was given pixel_values of {pixels.shape[0]} rows: "
+            "the model encodes the first only ([1, C, P, patches * P], every image's patches side "
+            "by side)"
+        )
     if getattr(module.config, "density_router_hidden_size", None) is not None:
         return (
             f"torch_impl.hf: {type(module).__name__} was given {media} with a density router, which "
@@ -339,10 +354,6 @@ def _share_inputs(module, modality, pixels, named_grid, rows, lo, hi, argument):
     for key in modality.per_item:
         if argument(key) is not None:
             kwargs[key] = argument(key)[lo:hi]
-    for key, count in COUNTED.items():  # ragged: an item's entries are its count's
-        if argument(key) is not None and argument(count) is not None:
-            a, b = int(argument(count)[:lo].sum()), int(argument(count)[:hi].sum())
-            kwargs[key] = argument(key)[a:b] if b > a else None  # (no views: none to encode)
     if module.config.model_type in PER_ROW:  # one row of them
         kwargs = {key: value[None] for key, value in kwargs.items()}
     order = None
@@ -354,8 +365,10 @@ def _share_inputs(module, modality, pixels, named_grid, rows, lo, hi, argument):
 
 def _encode(module, modality, pixels, argument, group):
     """Every item's features [tokens, W] in item order (pooled, then any deepstack features side by
-    side), this rank having encoded its share, and whether the model's encoder returns its pooled
-    features as one tensor (not one per item). Items with a (t, h, w) grid are split into their
+    side), this rank having encoded its share; whether the model's encoder returns its pooled
+    features as one tensor (not one per item); and the encoder's outputs that are not per item
+    (SHARED: this rank's own call's). LLaVA-OneVision's share is encoded tiled images first
+    (_tiled) and put back in item order. Items with a (t, h, w) grid are split into their
     frames (t = 1 each: the Qwen towers attend within a frame), so that one long video is shared too."""
     n, r = _group.world_size(group), _group.rank(group)
     if module.config.model_type in PER_ROW:
@@ -389,7 +402,7 @@ def _encode(module, modality, pixels, argument, group):
         if order is not None:  # back in item order
             output = [output[order.index(i)] for i in range(len(order))]
         shared = {key: getattr(out, key) for key in SHARED.get(module.config.model_type, ())}
-        pooled = output if as_tensor else torch.cat(list(output))
+        pooled = torch.cat(list(output)) if isinstance(output, (tuple, list)) else output
         deep = [f for _, f in pairs[1:]] if layered else getattr(out, "deepstack_features", None) or []
         deep = [torch.cat(list(f)) for f in deep]
         x = torch.cat([pooled.flatten(0, -2), *deep], dim=-1)  # [tokens, W]
