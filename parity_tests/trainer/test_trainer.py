@@ -349,6 +349,7 @@ def test_what_cannot_be_exact_is_refused_on_every_rank(runs, launch):
             "LlamaForSequenceClassification: a sequence classification loss"
             in rank["sequence_classification"]
         )
+        assert "Gemma4ForConditionalGeneration takes no loss kwargs" in rank["no_loss_kwargs"]
         replicas = f"cp_size={world} over {world} processes leaves 1 data-parallel replica(s)"
         assert f"TRL's GRPOTrainer with {replicas}" in rank["grpo_train_batch"], rank["grpo_train_batch"]
         assert "generation batch of 4 rows" in rank["grpo_train_batch"]

@@ -30,7 +30,7 @@ from trl import (
 
 from cp_support.trainers import FSDP2, LORA_TARGETS, FSDP2OnCPU
 from examples.recipes import dpo, grpo, sft, trainer, trainer_data, vlm
-from parity_tests.hf import hf_models
+from parity_tests.hf import hf_models, zoo
 from parity_tests.hf.hf_reference import float64_steps
 from torch_impl import hf
 from torch_impl.hf.batch import IGNORE_INDEX
@@ -603,6 +603,12 @@ def refusals(output_dir):
         said["sequence_classification"] = None
     except ValueError as e:
         said["sequence_classification"] = str(e)
+    try:  # Gemma 4: its class declares accepts_loss_kwargs = False, so the trainer gives no count
+        model = zoo.TASKS["image_text"][0].from_config(zoo.tiny_config("gemma4"))
+        classes("trainer")[1](model=model, args=trainer.training_args(output_dir), cp_size=world)
+        said["no_loss_kwargs"] = None
+    except ValueError as e:
+        said["no_loss_kwargs"] = str(e)
     for what, options in (  # TRL's default num_generations (8): batches that split over the processes only
         ("grpo_train_batch", {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1}),
         ("grpo_eval_batch", {"per_device_train_batch_size": 8, "eval_strategy": "steps", "eval_steps": 1}),

@@ -34,9 +34,7 @@ from torch_impl.sequence import gather_sequence
 
 class Modality(NamedTuple):
     pixels: str  # the processor's pixel values: one entry per item, or per patch where a grid is given
-    grids: (
-        tuple  # names of [items, 3] (t, h, w) or [items, 2] (h, w) patches, whose product is its pixel rows
-    )
+    grids: tuple  # names of [items, 3] (t, h, w) or [items, 2] (h, w) patches: an item's pixel rows
     per_item: tuple  # other inputs with one entry per item, split with the pixels
     token_ids: tuple  # the config's names for its placeholder token's id
     encoder: str  # the base model's method from pixels to features

@@ -119,8 +119,10 @@ def refuse_inexact(t):
             "mean); use RewardTrainer, or hf.parallelize in your own loop (the model's loss is then each "
             "rank's 1/n share)"
         )
-    if not t.model_accepts_loss_kwargs:
+    if not t.model_accepts_loss_kwargs:  # (Gemma 4's and GLM-4.xV's classes declare so)
         raise ValueError(
-            "torch_impl.hf: the model's forward takes no `num_items_in_batch`, so each CP "
-            "rank's loss would be its own slice's mean, not its share of the sequence's"
+            f"torch_impl.hf: {type(model).__name__} takes no loss kwargs (its forward has no "
+            "`**kwargs`, or its class sets `accepts_loss_kwargs = False`), so the trainer gives no "
+            "`num_items_in_batch` and each CP rank's loss would be its own slice's mean, not its "
+            "share of the sequence's"
         )
