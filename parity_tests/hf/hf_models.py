@@ -370,3 +370,100 @@ def qwen2_vl(dtype=torch.float64):
         setattr(config, f"{key}_token_id", tokens.convert_tokens_to_ids(token))
     torch.manual_seed(0)
     return tf.Qwen2VLForConditionalGeneration(config).to(dtype)
+
+
+GEMMA4_TOKENS = {"boi": "<|image>", "image": "<|image|>", "eoi": "<image|>"}
+GEMMA4_IMAGE = GEMMA4_TOKENS["image"]  # the processor puts its marks around an image's tokens
+
+
+def gemma4_processor():
+    """Gemma 4's processor for images, built in memory (trainer_data's tokenizer with Gemma 4's
+    three image tokens). Its image processor resizes an image to its smallest budget of soft tokens
+    (70), at the tiny tower's patches of 4 pooled 2 x 2: 64 x 64 pixels, 64 placeholder tokens.
+    Gemma4Processor itself also needs a video processor and an audio feature extractor: this
+    one has neither (no videos, no audio)."""
+    import transformers as tf
+    from transformers.processing_utils import ProcessorMixin
+
+    from examples.recipes import trainer_data
+
+    class Gemma4ImageProcessor(tf.Gemma4Processor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_seq_length = 0  # (counts come from the image processor)
+            self.boi_token, self.image_token, self.eoi_token = GEMMA4_TOKENS.values()
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token = self.video_token_id = self.audio_token = self.audio_token_id = None
+            self.boa_token = self.eoa_token = ""  # (its input check reads them even without audio)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    words = trainer_data.tokenizer()
+    words.add_special_tokens({"additional_special_tokens": list(GEMMA4_TOKENS.values())})
+    images = tf.Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70)
+    return Gemma4ImageProcessor(image_processor=images, tokenizer=words)
+
+
+def gemma4(dtype=torch.float64):
+    """A tiny Gemma 4 (zoo's config: a sliding layer of window 8 and a full one; media_cases'
+    vision tower) whose image tokens are gemma4_processor()'s, its images bidirectional on the
+    sliding layers (`use_bidirectional_attention="vision"`)."""
+    import transformers as tf
+
+    from parity_tests.hf import media_cases
+
+    config = zoo.tiny_config("gemma4")
+    config.vision_config = media_cases._gemma4_vision("gemma4")
+    config.get_text_config().use_bidirectional_attention = "vision"
+    tokens = gemma4_processor().tokenizer
+    for key, token in GEMMA4_TOKENS.items():
+        setattr(config, f"{key}_token_id", tokens.convert_tokens_to_ids(token))
+    torch.manual_seed(0)
+    return tf.Gemma4ForConditionalGeneration(config).to(dtype)
+
+
+GLM4V_TOKENS = {
+    "image_start": "<|begin_of_image|>",
+    "image": "<|image|>",
+    "image_end": "<|end_of_image|>",
+    "video_start": "<|begin_of_video|>",
+    "video_end": "<|end_of_video|>",
+}
+GLM4V_IMAGE = "".join(GLM4V_TOKENS[key] for key in ("image_start", "image", "image_end"))
+
+
+def glm4v_processor():
+    """GLM-4.1V's processor for images, built in memory as qwen2_vl_processor() (its image
+    processor resizes to 56 x 56 pixels: 4 x 4 patches of 14, 4 placeholder tokens once merged
+    2 x 2; no video processor, which needs torchvision)."""
+    import transformers as tf
+    from transformers.processing_utils import ProcessorMixin
+
+    from examples.recipes import trainer_data
+
+    class Glm4vImageProcessor(tf.Glm4vProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_token, self.video_token = GLM4V_TOKENS["image"], None
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = None
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+            self.video_start_id, self.video_end_id = (
+                tokenizer.convert_tokens_to_ids(GLM4V_TOKENS[key]) for key in ("video_start", "video_end")
+            )
+
+    words = trainer_data.tokenizer()
+    words.add_special_tokens({"additional_special_tokens": list(GLM4V_TOKENS.values())})
+    images = tf.Glm4vImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 56 * 56})
+    return Glm4vImageProcessor(image_processor=images, tokenizer=words)
+
+
+def glm4v(dtype=torch.float64):
+    """A tiny GLM-4.1V (zoo's config: mRoPE sections [1, 1, 2] of its partial rotary) whose image
+    tokens are glm4v_processor()'s."""
+    import transformers as tf
+
+    config = zoo.tiny_config("glm4v")
+    config.vision_config.out_hidden_size = config.get_text_config().hidden_size
+    tokens = glm4v_processor().tokenizer
+    for key, token in GLM4V_TOKENS.items():
+        setattr(config, f"{key}_token_id", tokens.convert_tokens_to_ids(token))
+    torch.manual_seed(0)
+    return tf.Glm4vForConditionalGeneration(config).to(dtype)

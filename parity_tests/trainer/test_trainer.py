@@ -9,11 +9,12 @@ under head_tail, Gemma 3 under FSDP2, with LoRA, and streamed from an IterableDa
 with packing: Gemma 3 and GPT-OSS (head_tail) on prompt-completion pairs, the loss on completions
 only, Mistral on text, Gemma 3 with TRL's defaults, bf16 autocast and activation checkpointing, in
 float64 and float32; SFTTrainer on images and text (TRL's vision collator, prompts with one or two
-images, completion-only loss): Qwen2-VL (mRoPE, its processor's type ids; LLaVA under head_tail in
-the slow matrix), the vision tower and projector training too, and LLaVA in float32 under bf16
-autocast with one image a batch (a CP rank encoding none), head_tail; RewardTrainer on chosen /
-rejected pairs: Llama, Mistral under head_tail with centred rewards, with LoRA, under FSDP2 and
-with TRL's defaults, every metric it logs compared;
+images, completion-only loss): Qwen2-VL (mRoPE, its processor's type ids; LLaVA and GLM-4.1V under
+head_tail in the slow matrix), Gemma 4 (no loss kwargs; its images bidirectional on its sliding
+layers), the vision tower and projector training too, and LLaVA in float32 under bf16
+autocast with one image a batch (a CP rank encoding none), head_tail; Trainer on Gemma 4's text;
+RewardTrainer on chosen / rejected pairs: Llama, Mistral under head_tail with centred rewards, with
+LoRA, under FSDP2 and with TRL's defaults, every metric it logs compared;
 DPOTrainer and KTOTrainer with a separate reference model, with LoRA (reference: the adapter off),
 with precomputed reference log-probs, under FSDP2 and with TRL's defaults, every metric compared),
 the five recipes, resume from a checkpoint (DDP and FSDP2) and the refusals; and
@@ -23,7 +24,9 @@ are float32 sums over a step's tokens (at most STEP_TOKENS), taken in another or
 so within 2 STEP_TOKENS u32 of the loss; grad_norm and the parameters' change from their start
 within 1e-5, relative (its largest entry) (after 3 steps the float32 norms' roundings grow to about
 1e-6 of it here; a constant gradient scale moves it by tens of percent, a token misrouted in one row
-by ~1e-2). The float32 model under bf16 autocast: within_bfloat16's bound.
+by ~1e-2); a case's `rtol` where the model rounds more through float32 (Gemma 4's vision tower,
+float32 whatever the model's dtype, on each rank's share of the images: 1e-4, its 3 steps' change
+seen within 1.1e-5). The float32 model under bf16 autocast: within_bfloat16's bound.
 """
 
 import pytest
@@ -41,6 +44,7 @@ DP_CASES = (
     "trainer_gemma3",
     "sft_gemma3_packed_completion",
     "sft_gpt_oss_packed_head_tail",
+    "sft_gemma4_images",
     "trainer_gemma3_lora",
     "reward_llama",
     "dpo_mistral_head_tail",
@@ -140,7 +144,9 @@ def compare(got, want, case):
             abs(g["loss"] - w["loss"]), 2 * STEP_TOKENS * U32 * abs(w["loss"]), f"step {w['step']} loss"
         )
         bounds.check(
-            abs(g["grad_norm"] - w["grad_norm"]), 1e-5 * w["grad_norm"], f"step {w['step']} grad_norm"
+            abs(g["grad_norm"] - w["grad_norm"]),
+            extra.get("rtol", 1e-5) * w["grad_norm"],
+            f"step {w['step']} grad_norm",
         )
     if kind == "reward":
         reward_metrics(got, want)
@@ -150,7 +156,7 @@ def compare(got, want, case):
     if kind in ROLLOUTS:
         loss_bound = 64 * U32
     bounds.check(abs(got["eval_loss"] - want["eval_loss"]), loss_bound, "eval_loss")
-    start, rtol = trainer_jobs.initial_params(case), 1e-5
+    start, rtol = trainer_jobs.initial_params(case), extra.get("rtol", 1e-5)
     if extra.get("steep"):  # a loss whose row weight is steep in the row's log-ratio: see below
         logps = [abs(v) for h in want["log"] for k, v in h.items() if k.startswith("logps/")]
         rtol = max(rtol, 64 * U32 * max(logps))
@@ -349,7 +355,7 @@ def test_what_cannot_be_exact_is_refused_on_every_rank(runs, launch):
             "LlamaForSequenceClassification: a sequence classification loss"
             in rank["sequence_classification"]
         )
-        assert "Gemma4ForConditionalGeneration takes no loss kwargs" in rank["no_loss_kwargs"]
+        assert "NoKwargs's forward takes no `**kwargs`" in rank["no_loss_kwargs"]
         replicas = f"cp_size={world} over {world} processes leaves 1 data-parallel replica(s)"
         assert f"TRL's GRPOTrainer with {replicas}" in rank["grpo_train_batch"], rank["grpo_train_batch"]
         assert "generation batch of 4 rows" in rank["grpo_train_batch"]

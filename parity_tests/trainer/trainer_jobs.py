@@ -30,7 +30,7 @@ from trl import (
 
 from cp_support.trainers import FSDP2, LORA_TARGETS, FSDP2OnCPU
 from examples.recipes import dpo, grpo, sft, trainer, trainer_data, vlm
-from parity_tests.hf import hf_models, zoo
+from parity_tests.hf import hf_models
 from parity_tests.hf.hf_reference import float64_steps
 from torch_impl import hf
 from torch_impl.hf.batch import IGNORE_INDEX
@@ -48,6 +48,12 @@ CASES = {
     # tower and projector training, each rank encoding its share of a batch's images; mRoPE
     # positions over the whole row, its processor's mm_token_type_ids (LLaVA: MATRIX, the recipe)
     "sft_qwen2_vl_images": ("sft", "qwen2_vl", "contiguous", {"images": True}),
+    # Gemma 4 (its images bidirectional on its sliding layers; GLM-4.1V: MATRIX) and transformers'
+    # Trainer on Gemma 4's text: classes that take no loss kwargs, each micro-batch its own mean.
+    # Its vision tower computes in float32 (its attention, pooling and scaling, whatever the
+    # model's dtype), on each rank's share of the images: test_trainer's `rtol`
+    "sft_gemma4_images": ("sft", "gemma4", "contiguous", {"images": True, "rtol": 1e-4}),
+    "trainer_gemma4": ("trainer", "gemma4", "contiguous", {}),
     # LLaVA in float32 under TRL's bf16 autocast, a row and one image a batch: one CP rank encodes
     # none and sends the projector's dtype (bfloat16), not its embeddings' float32
     "sft_llava_one_image_bf16_head_tail": (
@@ -252,6 +258,7 @@ MATRIX = {
     },
 }
 MATRIX["sft_llava_images_head_tail"] = ("sft", "llava", "head_tail", {"images": True})
+MATRIX["sft_glm4v_images_head_tail"] = ("sft", "glm4v", "head_tail", {"images": True})
 EVERY_CASE = CASES | MATRIX
 STREAMED = {"accelerator_config": {"dispatch_batches": False}}
 COUNTED = {"include_num_input_tokens_seen": True}  # every case logs the tokens its batches held
@@ -360,8 +367,11 @@ def model_of(kind, name, extra):
     if kind == "reward":
         model = hf_models.build_head("ForSequenceClassification", name, num_labels=1)
     elif extra.get("images"):
-        build = {"llava": vlm.llava, "qwen2_vl": hf_models.qwen2_vl}[name]
+        build = {"llava": vlm.llava, "qwen2_vl": hf_models.qwen2_vl, "gemma4": hf_models.gemma4}
+        build = (build | {"glm4v": hf_models.glm4v})[name]
         model = build(getattr(torch, extra.get("dtype", "float64")))
+    elif name == "gemma4":  # (its class sets accepts_loss_kwargs = False: the trainer gives no count)
+        model = hf_models.gemma4(getattr(torch, extra.get("dtype", "float64")))
     else:
         model = hf_models.build(name, getattr(torch, extra.get("dtype", "float64")))
     model.config.pad_token_id = 0
@@ -443,7 +453,8 @@ def build(kind, name, layout, extra, cp_size, output_dir, **overrides):
         args = sft.sft_config(output_dir, **overrides)
         if extra.get("images"):  # prompts with images, completions, padded (TRL packs no images)
             args = vlm.vlm_config(output_dir, **overrides)
-            image = hf_models.QWEN_IMAGE if name == "qwen2_vl" else vlm.IMAGE
+            image = {"qwen2_vl": hf_models.QWEN_IMAGE, "gemma4": hf_models.GEMMA4_IMAGE}
+            image = (image | {"glm4v": hf_models.GLM4V_IMAGE}).get(name, vlm.IMAGE)
             data = dict(train_dataset=vlm.rows(48, 0, image), eval_dataset=vlm.rows(8, 1, image))
             if extra.get("one_image"):  # the rows with one image
                 data = {key: rows.filter(lambda row: len(row["images"]) == 1) for key, rows in data.items()}
@@ -461,7 +472,9 @@ def build(kind, name, layout, extra, cp_size, output_dir, **overrides):
             )
         data["processing_class"] = trainer_data.tokenizer()
         if extra.get("images"):
-            data["processing_class"] = {"qwen2_vl": hf_models.qwen2_vl_processor}.get(name, vlm.processor)()
+            processors = {"qwen2_vl": hf_models.qwen2_vl_processor, "gemma4": hf_models.gemma4_processor}
+            processors["glm4v"] = hf_models.glm4v_processor
+            data["processing_class"] = processors.get(name, vlm.processor)()
     if wrapped_by_trl:
         data["peft_config"] = lora_config(kind)
         torch.manual_seed(0)  # as model_of draws A
@@ -570,6 +583,19 @@ def resume(case, cp_size, output_dir):
     }
 
 
+class NoKwargs(tf.LlamaForCausalLM):
+    """Llama whose forward takes no `**kwargs` (transformers' Trainer then passes no count)."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, shift_labels=None, use_cache=None):
+        return super().forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            labels=labels,
+            shift_labels=shift_labels,
+            use_cache=use_cache,
+        )
+
+
 def refusals(output_dir):
     """What each rank's ContextParallelMixin raised for arguments it cannot make exact."""
     world = dist.get_world_size()
@@ -603,8 +629,8 @@ def refusals(output_dir):
         said["sequence_classification"] = None
     except ValueError as e:
         said["sequence_classification"] = str(e)
-    try:  # Gemma 4: its class declares accepts_loss_kwargs = False, so the trainer gives no count
-        model = zoo.TASKS["image_text"][0].from_config(zoo.tiny_config("gemma4"))
+    try:  # a causal LM whose forward takes no **kwargs: the micro-batch's count cannot reach its loss
+        model = NoKwargs(hf_models.build("llama").config)
         classes("trainer")[1](model=model, args=trainer.training_args(output_dir), cp_size=world)
         said["no_loss_kwargs"] = None
     except ValueError as e:

@@ -120,8 +120,8 @@ class ContextParallelMixin:
     label smoothing, a `compute_loss_func`, `compute_metrics` and `preprocess_logits_for_metrics`
     (they would see each rank's slice of the logits), a MoE router's auxiliary loss (TRL switches
     it on for MoE models: `router_aux_loss_coef=0.0` turns it off), a model whose forward takes
-    no `num_items_in_batch`, an IterableDataset dispatched from
-    rank 0 (accelerate's default), and `predict()`.
+    no `**kwargs` (a class that takes no loss kwargs is exact: _micro_batch_mean), an
+    IterableDataset dispatched from rank 0 (accelerate's default), and `predict()`.
     """
 
     def __init__(self, *args, cp_size, cp_layout="contiguous", **kwargs):
@@ -260,12 +260,15 @@ class ContextParallelMixin:
     def _shard_loss(self, model, inputs, local, return_outputs, num_items_in_batch):
         """compute_loss on this rank's shard `local` of `inputs`: its share of the replica's loss."""
         if model.training:
-            if num_items_in_batch is None:  # each rank's loss would be its own slice's mean
-                raise ValueError(
-                    "torch_impl.hf: a training loss without `num_items_in_batch` cannot be made the "
-                    "replica's token mean"
-                )
-            result = super().compute_loss(model, local, return_outputs, num_items_in_batch)
+            if self.model_accepts_loss_kwargs:
+                if num_items_in_batch is None:  # each rank's loss would be its own slice's mean
+                    raise ValueError(
+                        "torch_impl.hf: a training loss without `num_items_in_batch` cannot be made the "
+                        "replica's token mean"
+                    )
+                result = super().compute_loss(model, local, return_outputs, num_items_in_batch)
+            else:
+                result = self._micro_batch_mean(model, inputs, local, return_outputs)
             if self.cp_counts_rows and "attention_mask" not in inputs and "position_ids" in inputs:
                 self._uncount_padding(inputs["position_ids"].shape[1], local["position_ids"].shape[1])
             return result
@@ -281,6 +284,27 @@ class ContextParallelMixin:
             loss = loss.detach().clone()
             dist.all_reduce(loss, group=self.cp_group)
             loss = loss / self.cp_size
+        return (loss, outputs) if return_outputs else loss
+
+    def _micro_batch_mean(self, model, inputs, local, return_outputs):
+        """The loss of a model that takes no loss kwargs (its class sets `accepts_loss_kwargs =
+        False`, as Gemma 4's, GLM-4.xV's and Qwen3-VL's do): the trainer gives no count, and the
+        dp-only run's loss is each micro-batch's own token mean (divided by the accumulation steps,
+        averaged over dp by DDP). On a CP rank: cp x its shard's sum over the micro-batch's count
+        of shifted labels (from the replica's whole batch: the same on every CP rank), so that
+        DDP's average over dp x cp gives the dp-only run's. The count goes where the loss is
+        made: TRL's SFTTrainer's own loss takes it as `num_items_in_batch` (times the processes
+        where `average_tokens_across_devices`, which is taken back out); transformers' Trainer
+        leaves the loss to the model, whose forward passes its `**kwargs` on to its loss function."""
+        count = (inputs["labels"][:, 1:] != IGNORE_INDEX).sum()  # as shard_batch's shifted labels
+        if self.cp_counts_rows:  # SFTTrainer: its own loss from the count
+            result = super().compute_loss(model, local, return_outputs, count)
+            scale = self.accelerator.num_processes if self.args.average_tokens_across_devices else 1
+        else:
+            result = super().compute_loss(model, local | {"num_items_in_batch": count}, return_outputs)
+            scale = 1
+        loss, outputs = result if return_outputs else (result, None)
+        loss = loss * (self.cp_size / scale)
         return (loss, outputs) if return_outputs else loss
 
     @contextlib.contextmanager

@@ -5,6 +5,8 @@ a token mean, rows pooled whole, TRL's own loss on whole rows, rollouts first) a
 then, once the base class has set the trainer up, the parallelisms, options and models whose loss
 would not equal the dp-only run's (`refuse_inexact`)."""
 
+import inspect
+
 from torch_impl.hf import rl, whole_rows
 
 # TRL's trainers whose loss is a function of values per row that every CP rank holds whole (a
@@ -119,10 +121,10 @@ def refuse_inexact(t):
             "mean); use RewardTrainer, or hf.parallelize in your own loop (the model's loss is then each "
             "rank's 1/n share)"
         )
-    if not t.model_accepts_loss_kwargs:  # (Gemma 4's and GLM-4.xV's classes declare so)
+    forward = inspect.signature(model.forward).parameters.values()
+    if not t.model_accepts_loss_kwargs and all(p.kind != p.VAR_KEYWORD for p in forward):
         raise ValueError(
-            f"torch_impl.hf: {type(model).__name__} takes no loss kwargs (its forward has no "
-            "`**kwargs`, or its class sets `accepts_loss_kwargs = False`), so the trainer gives no "
-            "`num_items_in_batch` and each CP rank's loss would be its own slice's mean, not its "
-            "share of the sequence's"
+            f"torch_impl.hf: {type(model).__name__}'s forward takes no `**kwargs`, so the count of "
+            "a micro-batch's labels cannot reach its loss, and each CP rank's loss would be its "
+            "own slice's mean, not its share of the sequence's"
         )
