@@ -288,6 +288,20 @@ MUTATIONS += [
         "    def get_cp_size(self):\n        return 1",
         ("parity_tests/trainer/test_trainer.py", "-k", "over_cp_equals_it_without and trainer_gemma3"),
     ),
+    Mutation(  # TRL's factor for average_tokens_across_devices left in a no-loss-kwargs model's loss
+        "micro_batch_mean_times_the_processes",
+        "torch_impl/hf/trainer.py",
+        "loss = loss * (self.cp_size / scale)",
+        "loss = loss * self.cp_size",
+        ("parity_tests/trainer/test_trainer.py", "-k", "over_cp_equals_it_without and sft_gemma4_images"),
+    ),
+    Mutation(  # a no-loss-kwargs model's loss each CP rank's own slice's mean (times cp)
+        "micro_batch_mean_of_the_slice",
+        "torch_impl/hf/trainer.py",
+        'local | {"num_items_in_batch": count}',
+        "local",
+        ("parity_tests/trainer/test_trainer.py", "-k", "over_cp_equals_it_without and trainer_gemma4"),
+    ),
     Mutation(  # the CP ranks of a replica would get different rows (the inputs check raises)
         "trainer_rows_sharded_over_every_process",
         "torch_impl/hf/trainer.py",
