@@ -302,6 +302,13 @@ MUTATIONS += [
         "local",
         ("parity_tests/trainer/test_trainer.py", "-k", "over_cp_equals_it_without and trainer_gemma4"),
     ),
+    Mutation(  # Mllama's cross-attention without its mask: every token seeing every image
+        "cross_attention_unmasked",
+        "torch_impl/hf/attention.py",
+        "return module.context_parallel.attend(module, query, key, value, attention_mask, **kwargs)",
+        "return module.context_parallel.attend(module, query, key, value, None, **kwargs)",
+        ("parity_tests/hf/test_hf_media.py", "-k", "equals_one_process and mllama-4"),
+    ),
     Mutation(  # the CP ranks of a replica would get different rows (the inputs check raises)
         "trainer_rows_sharded_over_every_process",
         "torch_impl/hf/trainer.py",

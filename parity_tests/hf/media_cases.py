@@ -113,7 +113,24 @@ MARKS = {
     "ovis2": lambda config: config.visual_indicator_token_ids[::4],
     "minicpmv4_7": lambda config: (config.image_start_id, config.image_end_id),
 }
-SUBCONFIGS = {"idefics2": {"perceiver_config": dict(resampler_n_latents=4)}}
+SUBCONFIGS = {
+    "idefics2": {"perceiver_config": dict(resampler_n_latents=4)},
+    # Mllama: a cross-attention text layer (the zoo's has none within its 2), and a tower of 28 x 28
+    # tiles of 2 x 2 patches, up to 2 tiles an image, its features from one intermediate layer
+    "mllama": {
+        "text_config": dict(cross_attention_layers=[1]),
+        "vision_config": dict(
+            image_size=28,
+            num_global_layers=1,
+            intermediate_layers_indices=[0],
+            vision_output_dim=64,
+            max_num_tiles=2,
+            supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]],
+        ),
+    },
+}
+# Mllama's images (media.CROSS): (row, its image token, aspect ratio id: 1 tile, or 1 x 2, 2 x 1)
+CROSS_IMAGES = ((0, 6, 2), (0, 20, 1), (1, 12, 3))
 TILES = {
     "llava_next": 5,
     "llava_next_video": 5,
@@ -204,6 +221,9 @@ def build(model_type):
             weight.normal_(std=weight.shape[0] ** -0.5, generator=torch.Generator().manual_seed(1))
         if hasattr(model.base_model, "high_res_vision_alpha"):
             model.base_model.high_res_vision_alpha.fill_(0.5)
+        for name, weight in model.named_parameters():  # Mllama's cross-attention layer's gates
+            if name.endswith(("cross_attn_attn_gate", "cross_attn_mlp_gate")):
+                weight.fill_(0.5)
     return model
 
 
@@ -211,6 +231,8 @@ def media_batch(config, video=False, seed=3, count=4):
     """The module docstring's batch: token ids, attention_mask, labels, the processor's media and
     token types (1: image, 2: video)."""
     gen = torch.Generator().manual_seed(seed)
+    if config.model_type in media.CROSS:
+        return _cross_batch(config, gen)
     qwen = config.model_type in GRIDS_OF
     count = PATCH_ROWS.get(config.model_type, count)
     image, video_id = config.image_token_id, getattr(config, "video_token_id", None)
@@ -343,6 +365,38 @@ def media_batch(config, video=False, seed=3, count=4):
     return batch
 
 
+def _cross_batch(config, gen):
+    """Mllama's batch (media.CROSS): an image token a CROSS_IMAGES image, every later token of its
+    row seeing the image's tiles (`cross_attention_mask` [B, S, images, tiles]), row 1 left-padded
+    by 3 and holding one image of the two slots a row."""
+    text = torch.tensor([t for t in range(*zoo.TOKENS) if t not in (config.image_token_index, 0)])
+    ids = text[torch.randint(len(text), (2, S), generator=gen)]
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    vision = config.vision_config
+    tiles, side = vision.max_num_tiles, vision.image_size
+    pixels = torch.zeros(2, 2, tiles, vision.num_channels, side, side, dtype=torch.float64)
+    ratios, tiled = torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2, tiles, dtype=torch.long)
+    sees = torch.zeros(2, S, 2, tiles, dtype=torch.long)
+    for (row, at, ratio), slot in zip(CROSS_IMAGES, (0, 1, 0), strict=True):
+        count = 1 if ratio == 1 else 2
+        ids[row, at] = config.image_token_index
+        pixels[row, slot, :count] = torch.randn(count, *pixels.shape[3:], generator=gen, dtype=torch.float64)
+        ratios[row, slot], tiled[row, slot, :count] = ratio, 1
+        sees[row, at:, slot, :count] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[1, 3] = -100  # (as zoo.padded_batch: what the last padding position predicts is left out)
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "labels": labels,
+        "pixel_values": pixels,
+        "aspect_ratio_ids": ratios,
+        "aspect_ratio_mask": tiled,
+        "cross_attention_mask": sees,
+    }
+
+
 def _counts(config):
     """Images A, B and C's placeholder tokens where they differ (COUNTS, MiniCPM-V's slices), or None."""
     if config.model_type in PACKED_SIZES:
@@ -365,7 +419,7 @@ def tokens_an_image(model):
     """How many placeholder tokens one of media_batch's images takes (its features' rows), for the
     families without a grid (Qwen's are counted from it)."""
     config = model.config
-    if config.model_type in GRIDS_OF or _counts(config):
+    if config.model_type in GRIDS_OF or config.model_type in media.CROSS or _counts(config):
         return None
     if config.model_type in PATCH_ROWS or config.model_type in HW_GRIDS:
         return PATCH_ROWS.get(config.model_type, 4)
@@ -431,22 +485,6 @@ def _compare(group, model_type, layout, video):
         k: torch.zeros_like(reference[2][k]) if g is None and k in vision else g for k, g in grads.items()
     }
     return zoo_cases._ratios(model, batch, reference, (logits, loss, grads), group, layout)
-
-
-def refused(group, model_type):
-    """The ValueError of a family whose media are not split."""
-    model = build(model_type)
-    hf.parallelize(model, group, verbose=False)
-    config = model.config
-    batch = zoo.padded_batch(config)
-    size = config.vision_config.image_size
-    batch["pixel_values"] = torch.zeros(1, config.vision_config.num_channels, size, size, dtype=torch.float64)
-    batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
-    try:
-        model(**hf.shard_batch(batch, group))
-    except ValueError as e:
-        return str(e)
-    return None
 
 
 def packed_refused(group, model_type):

@@ -56,13 +56,6 @@ def test_one_image_under_bfloat16_autocast(pool, family, n, layout):
         assert max(ratios.values()) <= 1, (family, ratios)
 
 
-def test_media_refused_for_their_model_on_every_rank(pool):
-    """A family whose media are refused for a reason in its model (Mllama: its images enter as
-    cross-attention keys and values): refused, saying why, on every rank."""
-    for message in pool.run(("first", 2), media_cases.refused, "mllama")[0]:
-        assert message and "cross-attention keys and values" in message, message
-
-
 def test_unverified_media_are_refused():
     """A family not in media.VERIFIED (a new release's): its media refused, saying so."""
     module = SimpleNamespace(config=SimpleNamespace(model_type="next_vlm"))
@@ -177,3 +170,16 @@ def test_shard_batch_passes_media_whole_and_shards_token_types():
     assert torch.equal(local["mm_token_type_ids"], types)
     with pytest.raises(ValueError, match=r"marks image or video tokens .* holds no images"):
         hf.shard_batch({"input_ids": ids, "mm_token_type_ids": types}, None)
+
+
+def test_shard_batch_takes_a_cross_attention_mask_of_the_tokens_rows():
+    """Mllama's cross_attention_mask [B, S, images, tiles] (media.ROW_KEYS) goes with the tokens
+    (split by rows on each rank: test_media_batch_equals_one_process), its images' aspect ratios
+    whole; a mask of other rows refused."""
+    ids = torch.arange(16).view(2, 8)
+    sees = torch.arange(2 * 8 * 2 * 3).view(2, 8, 2, 3)
+    ratios = torch.tensor([[1, 2], [3, 0]])
+    local = hf.shard_batch({"input_ids": ids, "cross_attention_mask": sees, "aspect_ratio_ids": ratios}, None)
+    assert torch.equal(local["cross_attention_mask"], sees) and local["aspect_ratio_ids"] is ratios
+    with pytest.raises(ValueError, match=r"cross_attention_mask.*must start with \[B, S\]"):
+        hf.shard_batch({"input_ids": ids, "cross_attention_mask": sees[:, :4]}, None)

@@ -33,7 +33,8 @@ train mode, which it does not apply: such calls keep the model's own mask and at
 (position_ids that restart, no attention_mask, no cache: when transformers isolates the documents)
 add document ids, made once per forward from the gathered positions. Whatever this cannot make
 exact raises `ValueError`: at `parallelize` (recurrent layers but Gated DeltaNet, KDA, Mamba2,
-Mamba, MiniMax's lightning attention and RG-LRU; cross or bidirectional attention, attention outside
+Mamba, MiniMax's lightning attention and RG-LRU; cross attention but Mllama's over its images,
+which every rank holds whole; bidirectional attention, attention outside
 transformers' AttentionInterface or editing its own mask, unknown sequence convolutions,
 flash/flex kernels), or at the first call (a KV cache past the first step, custom mask overlays, a
 4-D mask, non-text inputs). Which families are exact and which are refused, and why:

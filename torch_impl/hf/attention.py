@@ -46,6 +46,16 @@ class AttentionSetup:
     query_scale: Callable | None = None  # positions -> the per-row factor the module gave its queries
 
 
+@dataclasses.dataclass(frozen=True)
+class CrossAttention:
+    """Set by `parallelize` on a cross-attention module whose keys and values come whole to every
+    rank from outside the sequence CP splits (Mllama's images' states, torch_impl.hf.media.CROSS):
+    the rank's queries, its shard of the text, attend over all of them on the model's own mask of
+    its rows, with the model's own math. Nothing is fetched."""
+
+    attend: Callable  # (module, q, k, v, mask, **kwargs) -> (out [B, L, H, D], weights)
+
+
 def temperature_scale(module):
     """Llama 4's NoPE layers with temperature tuning scale each query by a function of its row in
     the sequence, which the module computes from the rank's local rows: as a function of the
@@ -191,6 +201,8 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     """The registered implementation: query [B, H, L, D], key/value [B, Hkv, L, D] on rank r ->
     ([B, L, H, D], weights), equal to the single-process model at the rank's global rows. Each of
     the rank's chunks (one contiguous, two head_tail: ShardPlan) attends over its own keys."""
+    if isinstance(getattr(module, "context_parallel", None), CrossAttention):  # keys whole everywhere
+        return module.context_parallel.attend(module, query, key, value, attention_mask, **kwargs)
     if isinstance(RUNNING.context, Aside):  # an unsharded call: the model's own attention
         if kwargs.get("block_indices") is not None:  # MiniMax-M3's picks: the mask it makes on sdpa
             blocks = kwargs["block_indices"]

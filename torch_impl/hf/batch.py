@@ -31,7 +31,8 @@ def shard_batch(
     process too. Images and videos as the processor returns them (media.MEDIA_KEYS:
     `pixel_values`, `image_grid_thw`, `pixel_values_videos`, `video_grid_thw`, `image_sizes`,
     `second_per_grid_ts`, ...) go to every rank whole, with the shards of the token types; the model's
-    pre-hook splits the vision tower's work over the ranks (torch_impl.hf.media). Labels of a
+    pre-hook splits the vision tower's work over the ranks (torch_impl.hf.media); Mllama's
+    `cross_attention_mask` [B, S, images, tiles] (media.ROW_KEYS) is sharded with the tokens. Labels of a
     sequence classification model, one per row ([B] or [B, labels], any float labels), are passed
     whole, with no shift_labels or count.
     Returns the [B, L] shards, `use_cache=False`, and for labels:
@@ -50,11 +51,11 @@ def shard_batch(
     """
     group = _group.resolve_group(group)
     check_layout(layout)
-    unknown = sorted(set(batch) - set(BATCH_KEYS) - set(TYPE_KEYS) - set(media.MEDIA_KEYS))
+    unknown = sorted(set(batch) - {*BATCH_KEYS, *TYPE_KEYS, *media.MEDIA_KEYS, *media.ROW_KEYS})
     if unknown or "input_ids" not in batch:
         raise ValueError(
             f"`batch` must hold input_ids and optionally {BATCH_KEYS[1:]}, {TYPE_KEYS} or images and "
-            f"videos {media.MEDIA_KEYS}, got keys {sorted(batch)}"
+            f"videos {media.MEDIA_KEYS + media.ROW_KEYS}, got keys {sorted(batch)}"
         )
     whole = {key: batch[key] for key in media.MEDIA_KEYS if batch.get(key) is not None}  # every rank's
     for key in TYPE_KEYS:
@@ -77,7 +78,11 @@ def shard_batch(
     for key, value in batch.items():
         if key == "labels" and per_row or key in media.MEDIA_KEYS:
             continue
-        if tuple(value.shape) != (B, S):
+        if key in media.ROW_KEYS and tuple(value.shape[:2]) != (B, S):
+            raise ValueError(
+                f"`batch[{key!r}]` must start with [B, S] = {(B, S)} like input_ids, got {tuple(value.shape)}"
+            )
+        if key not in media.ROW_KEYS and tuple(value.shape) != (B, S):
             raise ValueError(
                 f"`batch[{key!r}]` must be [B, S] = {(B, S)} like input_ids, got {tuple(value.shape)}"
             )

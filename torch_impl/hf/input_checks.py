@@ -63,7 +63,7 @@ def check_text(module, argument, names):
         value = argument(name)
         if name in TEXT_INPUTS or value is None or _config_setting(module, name, value):
             continue
-        if given and name in (*media.MEDIA_KEYS, *TYPE_KEYS):
+        if given and name in (*media.MEDIA_KEYS, *media.ROW_KEYS, *TYPE_KEYS):
             continue
         if name in TYPE_KEYS:
             return (

@@ -15,7 +15,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from torch_impl.hf._common import INDEXED, LINEAR, SLIDING, mix
-from torch_impl.hf.attention import AttentionSetup, temperature_scale
+from torch_impl.hf.attention import AttentionSetup, CrossAttention, temperature_scale
 from torch_impl.hf.attention_kinds import attention_kind, layer_type
 from torch_impl.hf.block_sparse import BLOCK_SPARSE
 from torch_impl.hf.compressed import COMPRESSED
@@ -57,6 +57,9 @@ RECURRENT = re.compile(
 REFUSED_ATTENTION = {
     "DogeAttention": "computes its mask itself, a top-k over every key of the 4-D attention mask",
 }
+# cross-attention modules whose keys and values come from outside the sequence CP splits, each
+# rank holding them whole (torch_impl.hf.media.CROSS: Mllama's images' states), by class
+CROSS_ATTENTION = ("MllamaTextCrossAttention",)
 RECURRENT_LAYER_TYPES = ("mamba", "mamba2", "recurrent")
 RECURRENCE = "carries recurrent state along the sequence, which CP cannot split exactly"
 # sub-configs of the encoders of other inputs than text, and of what resamples their features
@@ -144,6 +147,8 @@ def _kind(name, module, family=""):
         raise refuse(name, module, _unsupported([typed]))
     if type(module).__name__ in REFUSED_ATTENTION:
         raise refuse(name, module, REFUSED_ATTENTION[type(module).__name__])
+    if type(module).__name__ in CROSS_ATTENTION:
+        return "cross_attention"
     if hasattr(module, "is_causal") and hasattr(module, "config"):  # transformers' attention modules
         if not module.is_causal or getattr(module, "is_cross_attention", False):
             raise refuse(
@@ -237,6 +242,8 @@ def walk(model, decoder, group, layout, dense=False):
             raise refuse(name, module, "reads an attention config other than its language model's")
         if kind == "attention":
             attentions.append((module, _attention_setup(name, module, group, layout, dense)))
+        elif kind == "cross_attention":  # the model's own math over keys every rank holds whole
+            attentions.append((module, CrossAttention(_attention_setup(name, module, group, layout).attend)))
         elif kind is not None:
             whole[kind][name] = module
     relative = any(is_relative(module) for module, _ in attentions)

@@ -71,7 +71,14 @@ MEDIA_KEYS = tuple(k for m in MODALITIES.values() for k in (m.pixels, *m.grids, 
     *SETTINGS,
     "pixel_values_local",  # (refused: LOCAL_VIEWS)
     "batch_num_images",  # LLaVA-OneVision's images a row [B]: made per item by _tiled
+    *("aspect_ratio_ids", "aspect_ratio_mask"),  # Mllama's tiles a row's image: CROSS
 )
+# families whose images enter as cross-attention keys and values, not as placeholder features:
+# every rank encodes the batch's images whole (the tower runs unsplit on each), and its queries, its
+# shard of the text, attend over all of them (torch_impl.hf.kinds.CROSS_ATTENTION); their mask of
+# which tokens see which image's tiles, [B, S, images, tiles], is sharded with the tokens (ROW_KEYS)
+CROSS = ("mllama",)
+ROW_KEYS = ("cross_attention_mask",)
 # the families whose images are exact under CP (parity_tests/hf/test_hf_media.py); others are refused
 VERIFIED = (
     *("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp"),
@@ -86,16 +93,10 @@ VERIFIED = (
     *("idefics2", "idefics3", "smolvlm", "granite_docling"),
     *("llava_onevision", "ovis2", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr"),
     *("chameleon", "emu3", "muse_glimmer", "gemma4", "gemma4_unified", "granite4_vision", "deepseek_ocr2"),
-    *("inkling_mm_model",),
+    *("inkling_mm_model", "mllama"),
 )
 # families whose media are refused for a reason in the model itself: why
 REFUSED = {
-    "mllama": (
-        "its images enter as cross-attention keys and values (every image tile of the row for "
-        "every text token, masked by a [B, S, images, tiles] cross_attention_mask), not as "
-        "placeholder features: the adapter neither shards that mask nor makes its cross-attention "
-        "layers CP"
-    ),
     "mistral4": (
         "the class the image-text mapping names (Mistral4ForCausalLM) has no vision tower: "
         "Mistral Small 4 takes images as Mistral3ForConditionalGeneration over a mistral4 text model"
@@ -202,6 +203,8 @@ def inputs(module, argument, ids, types, padding, rows, group):
     rank's placeholder tokens' features, the pixels dropped, and where the model makes mRoPE
     positions itself, those of rows [L]. ids, types: the gathered token ids and token types [B, S]
     (types None if not given); padding: the gathered attention_mask, bool [B, S], or None."""
+    if module.config.model_type in CROSS:  # the model's own path: every image on every rank
+        return {}
     changes, outputs = {}, {}
     width = module.get_input_embeddings().embedding_dim
     for name, modality in MODALITIES.items():

@@ -13,6 +13,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from torch_impl import _group
 from torch_impl.hf._common import IMPLEMENTATION, INDEXED, RUNNING, SLIDING, in_context
+from torch_impl.hf.attention import CrossAttention
 from torch_impl.hf.attention_kinds import attention_kind, layer_type
 from torch_impl.hf.block_sparse import BLOCK_SPARSE
 from torch_impl.hf.compressed import COMPRESSED
@@ -36,6 +37,9 @@ def apply_attention(decoder, attentions):
     for module, setup in attentions:
         module.context_parallel = setup
         kind = layer_type(module) or type(module).__name__
+        if isinstance(setup, CrossAttention):
+            paths[kind] = "the rank's queries over the images' states, held whole: the model's attention"
+            continue
         fallback = setup.fallback
         paths[kind] = "torch_impl.attention" if fallback is None else f"dense [L, T] mask ({fallback})"
         dropout = getattr(module.config, "attention_dropout", 0.0)

@@ -380,7 +380,7 @@ class ContextParallelMixin:
         over all replicas, is passed). A vision-language collator's images and videos go to
         `hf.shard_batch` as they are (every rank's, torch_impl.hf.media)."""
         inputs = {key: value for key, value in inputs.items() if key not in DROPPED_KEYS}
-        batch = {key: inputs.pop(key) for key in BATCH_KEYS + TYPE_KEYS if key in inputs}
+        batch = {key: inputs.pop(key) for key in BATCH_KEYS + TYPE_KEYS + media.ROW_KEYS if key in inputs}
         whole = {key: inputs.pop(key) for key in media.MEDIA_KEYS if key in inputs}  # images, videos
         S = batch["input_ids"].shape[1]
         multiple = self.cp_size * (2 if self.cp_layout == "head_tail" else 1)
@@ -393,7 +393,11 @@ class ContextParallelMixin:
                 "position_ids": 0,
                 **dict.fromkeys(TYPE_KEYS, 0),
             }
-            batch = {key: F.pad(value, (0, pad), value=fill[key]) for key, value in batch.items()}
+            fill |= dict.fromkeys(media.ROW_KEYS, 0)  # [B, S, ...]: padded along S
+            batch = {
+                key: F.pad(value, (0, 0) * (value.dim() - 2) + (0, pad), value=fill[key])
+                for key, value in batch.items()
+            }
         local = shard_batch(batch | whole, self.cp_group, layout=self.cp_layout)
         local.pop("num_items_in_batch", None)
         return {**inputs, **local}
