@@ -1,21 +1,38 @@
-"""A CP rank's peak memory and time with images across the ranks, against the rank alone.
+"""A CP rank's peak memory and time with images or a video across the ranks, against the rank alone.
 
-    python -m benchmarks.media_memory [--n 2] [--len 4096] [--reps 2] [--quick] [--json FILE]
+    python -m benchmarks.media_memory [--model gemma3 gemma4 qwen3_vl] [--n 2] [--len 4096] [--reps 2]
+                                      [--layout head_tail] [--quick] [--json FILE]
 
-Gemma 3 (`Gemma3ForConditionalGeneration`: its images' tokens see every token of their image, so a
-chunk holding image tokens runs the model's attention per block of 256 queries on a dense mask, and
-its vision tower's work is split over the ranks) at small widths: the text model in the demo's
-layout (5 sliding layers, window 512, then a global one; hidden 256, 4 heads of 64, one KV head),
-a SigLIP tower of 2 layers, 128 wide, on 224 x 224 images of 64 tokens; float32, train mode with
-activation checkpointing (`hf.checkpoint_kwargs()`), one thread a rank. Images of 64 tokens every
-L / 8 tokens, placed so that one crosses every shard edge:
+Three vision-language models at small widths, each a text model of 6 layers (hidden 256, 4 heads of
+64, one KV head) and a vision tower of 2 layers, 128 wide; media items of 64 tokens every L / 8
+tokens, placed so that one crosses every shard edge:
 
-  alone       one process: the plain model on a row of L tokens (7 images), no CP
-  torch_impl  n gloo ranks: a row of n L tokens (8 n - 1 images) made CP by hf.parallelize and
-              sharded by hf.shard_batch; each rank's figures (the last holds 7.5 images' tokens)
+  gemma3    `Gemma3ForConditionalGeneration`: its images' tokens see every token of their image, so
+            a chunk holding image tokens runs the model's attention per block of 256 queries on a
+            dense mask. The demo's layout (5 sliding layers, window 512, then a global one), a
+            SigLIP tower on 224 x 224 images (16 x 16 patches pooled to 8 x 8).
+  gemma4    `Gemma4ForConditionalGeneration` with `use_bidirectional_attention="vision"`: its
+            images see themselves on the sliding layers only (the same layout, window 512, past an
+            image's 64 tokens; the global layer's heads 128 wide, Gemma 4's 2 x), no per-layer
+            inputs; its tower on 16 x 16 patches of 16 pixels, pooled 2 x 2.
+  qwen3_vl  `Qwen3VLForConditionalGeneration`, causal, given one video (`pixel_values_videos`,
+            `video_grid_thw`): its frames (temporal patches of 16 x 16 patches, merged 2 x 2), each
+            between the vision start and end marks (text between them, where its timestamps go),
+            with mRoPE positions over the whole row.
 
-Each variant in fresh processes (cp_support.launch.run_ranks, RANK_ENV): a warm-up step, then the
-resident set's peak rise above the warmed-up process over `--reps` steps and their median time.
+Each rank encodes its share of the items (Qwen3-VL's video split into frames), so about 1 / n of
+the vision tower's work; float32, train mode with activation checkpointing
+(`hf.checkpoint_kwargs()`), one thread a rank, the head_tail layout (balanced causal work; Qwen3-VL's
+layers are all full attention, each CP rank's queries over twice its own keys on average, which
+the rank alone does not pay):
+
+  alone       one process: the plain model on a row of L tokens (7 items), no CP
+  torch_impl  n gloo ranks: a row of n L tokens (8 n - 1 items) made CP by hf.parallelize and
+              sharded by hf.shard_batch; each rank's figures (the last holds 7.5 items' tokens)
+
+Each variant of each model in fresh processes (cp_support.launch.run_ranks, RANK_ENV): a warm-up
+step, then the resident set's peak rise above the warmed-up process over `--reps` steps and their
+median time.
 """
 
 import argparse
@@ -27,48 +44,129 @@ import torch
 from cp_support import results
 from cp_support.launch import RANK_ENV, run_ranks
 
-IMAGE_TOKENS = 64
+MEDIA_TOKENS = 64  # an image's or a video frame's placeholder tokens: 8 x 8 (pooled or merged)
 VOCAB = 256
-IMAGE = VOCAB - 1  # the image placeholder's id (its begin and end marks: the two before)
+PLACEHOLDER, BEGIN, END = VOCAB - 1, VOCAB - 2, VOCAB - 3  # an item's placeholder id and marks
+TEXT = dict(hidden_size=256, intermediate_size=768, num_attention_heads=4, num_key_value_heads=1)
+TEXT |= dict(head_dim=64, num_hidden_layers=6, vocab_size=VOCAB, max_position_embeddings=1 << 16)
+SLIDING = dict(sliding_window=512, layer_types=["sliding_attention"] * 5 + ["full_attention"])
+TOWER = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4)
 
 
-def build():
-    """The benchmark's Gemma 3, float32, train mode, checkpointed as under CP."""
+def starts(S, L):
+    """The first placeholder of each item: one every L / 8 tokens from L / 8 - 32 on (one across
+    each multiple of L); every 128 at L = 512 (--quick), so that text (marks) parts the items."""
+    spacing = max(L // 8, 2 * MEDIA_TOKENS)
+    return range(spacing - MEDIA_TOKENS // 2, S - MEDIA_TOKENS + 1, spacing)
+
+
+def placed(S, L, kind, gen, marks=False):
+    """A row of S text tokens (clear of the special ids) with the items' placeholders (`marks`: each
+    between BEGIN and END), their token types (`kind`: 1 image, 2 video) and the labels (text only)."""
+    ids = torch.randint(4, END, (1, S), generator=gen)  # [1, S]
+    types = torch.zeros_like(ids)  # [1, S]
+    for start in starts(S, L):
+        ids[0, start : start + MEDIA_TOKENS] = PLACEHOLDER
+        types[0, start : start + MEDIA_TOKENS] = kind
+        if marks:
+            ids[0, start - 1], ids[0, start + MEDIA_TOKENS] = BEGIN, END
+    return ids, types, ids.masked_fill(types != 0, -100)
+
+
+# --- the three cases: a model and a batch each --------------------------------------------------
+
+
+def gemma3():
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
+    vision = TOWER | dict(image_size=224, patch_size=14)  # 16 x 16 patches, pooled to 8 x 8
+    config = Gemma3Config(text_config=TEXT | SLIDING, vision_config=vision, mm_tokens_per_image=MEDIA_TOKENS)
+    config.image_token_id, config.boi_token_index, config.eoi_token_index = PLACEHOLDER, BEGIN, END
+    return Gemma3ForConditionalGeneration(config)
+
+
+def gemma3_batch(config, S, L, gen):
+    """The images' pixels [images, 3, 224, 224] and the processor's token types."""
+    ids, types, labels = placed(S, L, 1, gen)
+    side = config.vision_config.image_size
+    pixels = torch.randn(len(starts(S, L)), 3, side, side, generator=gen)
+    return {"input_ids": ids, "token_type_ids": types, "pixel_values": pixels, "labels": labels}
+
+
+def gemma4():
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    text = TEXT | SLIDING | dict(global_head_dim=128, hidden_size_per_layer_input=0)
+    text |= dict(use_bidirectional_attention="vision")  # images see themselves (sliding layers)
+    vision = TOWER | dict(num_key_value_heads=4, head_dim=32, patch_size=16, pooling_kernel_size=2)
+    vision |= dict(position_embedding_size=16)  # (x, y) of 16 x 16 patches
+    marks = dict(image_token_id=PLACEHOLDER, boi_token_id=BEGIN, eoi_token_id=END)
+    return Gemma4ForConditionalGeneration(Gemma4Config(text_config=text, vision_config=vision, **marks))
+
+
+def gemma4_batch(config, S, L, gen):
+    """The images' patch rows [images, 256, 3 P P] in [0, 1] and their (x, y), the token types."""
+    ids, types, labels = placed(S, L, 1, gen)
+    images, P = len(starts(S, L)), config.vision_config.patch_size
+    xs, ys = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="xy")
+    where = torch.stack([xs, ys], dim=-1).reshape(-1, 2)  # [256, 2]
+    pixels = torch.rand(images, len(where), 3 * P * P, generator=gen)  # [images, 256, 3 P P]
+    batch = {"input_ids": ids, "mm_token_type_ids": types, "labels": labels}
+    return batch | {"pixel_values": pixels, "image_position_ids": where.expand(images, -1, -1).clone()}
+
+
+def qwen3_vl():
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    rope = dict(rope_type="default", rope_theta=5e5, mrope_section=[12, 10, 10])  # (t, h, w): head_dim / 2
+    vision = dict(depth=2, hidden_size=128, intermediate_size=256, num_heads=4, patch_size=16)
+    vision |= dict(
+        out_hidden_size=TEXT["hidden_size"], num_position_embeddings=256, deepstack_visual_indexes=[1]
+    )
+    marks = dict(video_token_id=PLACEHOLDER, vision_start_token_id=BEGIN, vision_end_token_id=END)
+    config = Qwen3VLConfig(text_config=TEXT | dict(rope_parameters=rope), vision_config=vision, **marks)
+    return Qwen3VLForConditionalGeneration(config)
+
+
+def qwen3_vl_batch(config, S, L, gen):
+    """One video, a frame (a temporal patch of 16 x 16 patches) an item between the vision start and
+    end marks: its patch rows [frames * 256, 3 T P P], its (t, h, w) grid, the token types."""
+    ids, types, labels = placed(S, L, 2, gen, marks=True)
+    frames, vision = len(starts(S, L)), config.vision_config
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    pixels = torch.randn(frames * 16 * 16, width, generator=gen)  # [frames * 256, 3 T P P]
+    batch = {"input_ids": ids, "mm_token_type_ids": types, "labels": labels}
+    return batch | {"pixel_values_videos": pixels, "video_grid_thw": torch.tensor([[frames, 16, 16]])}
+
+
+CASES = {
+    "gemma3": (gemma3, gemma3_batch),
+    "gemma4": (gemma4, gemma4_batch),
+    "qwen3_vl": (qwen3_vl, qwen3_vl_batch),
+}
+
+
+LAUNCH = dict(timeout_s=1800, env=RANK_ENV)
+
+
+def build(name):
+    """The case's model, float32, train mode, checkpointed as under CP."""
     from torch_impl import hf
 
-    text = dict(hidden_size=256, intermediate_size=768, num_attention_heads=4, num_key_value_heads=1)
-    text |= dict(head_dim=64, num_hidden_layers=6, sliding_window=512, max_position_embeddings=1 << 16)
-    text |= dict(layer_types=["sliding_attention"] * 5 + ["full_attention"], vocab_size=VOCAB)
-    vision = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4)
-    vision |= dict(image_size=224, patch_size=14)  # 16 x 16 patches, pooled to 8 x 8: 64 tokens
-    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=IMAGE_TOKENS)
-    config.image_token_id, config.boi_token_index, config.eoi_token_index = IMAGE, IMAGE - 1, IMAGE - 2
     torch.manual_seed(0)
-    model = Gemma3ForConditionalGeneration(config).train()
+    model = CASES[name][0]().train()
     model.activation_checkpointing_enable(activation_checkpointing_kwargs=hf.checkpoint_kwargs())
     return model
 
 
-def batch(config, S, L, seed=0):
-    """A row of S tokens, an image of IMAGE_TOKENS every L / 8 tokens from L / 8 - 32 on (one across
-    each multiple of L), with the processor's token types and the images' pixels."""
-    gen = torch.Generator().manual_seed(seed)
-    spacing = L // 8
-    ids = torch.randint(4, IMAGE - 2, (1, S), generator=gen)  # text: clear of the special ids
-    types = torch.zeros_like(ids)
-    starts = range(spacing - IMAGE_TOKENS // 2, S - IMAGE_TOKENS + 1, spacing)
-    for start in starts:
-        ids[0, start : start + IMAGE_TOKENS] = IMAGE
-        types[0, start : start + IMAGE_TOKENS] = 1
-    side = config.vision_config.image_size
-    pixels = torch.randn(len(starts), 3, side, side, generator=gen)
-    labels = ids.masked_fill(types == 1, -100)
-    return {"input_ids": ids, "token_type_ids": types, "pixel_values": pixels, "labels": labels}
+def batch(name, config, S, L, text=False, seed=0):
+    """The case's row of S tokens: its items every L / 8 tokens (starts), one across each multiple of
+    L; `text`: the same token ids without the media (the placeholders text), for comparison."""
+    made = CASES[name][1](config, S, L, torch.Generator().manual_seed(seed))
+    return {"input_ids": made["input_ids"], "labels": made["input_ids"]} if text else made
 
 
-def rank_figures(rank, world, L, reps, cp):
+def rank_figures(rank, world, name, L, reps, cp, layout, text):
     """On this rank: its peak resident-set rise (MiB) over `reps` steps and their median time (ms)."""
     import torch.distributed as dist
 
@@ -76,11 +174,11 @@ def rank_figures(rank, world, L, reps, cp):
     from torch_impl import hf
 
     torch.set_num_threads(1)
-    model = build()
-    kwargs = batch(model.config, world * L if cp else L, L)
+    model = build(name)
+    kwargs = batch(name, model.config, world * L if cp else L, L, text)
     if cp:
-        hf.parallelize(model, dist.group.WORLD, verbose=False)
-        kwargs = hf.shard_batch(kwargs, dist.group.WORLD)
+        hf.parallelize(model, dist.group.WORLD, layout=layout, verbose=False)
+        kwargs = hf.shard_batch(kwargs, dist.group.WORLD, layout=layout)
 
     def step():
         model(**kwargs).loss.backward()
@@ -96,28 +194,35 @@ def rank_figures(rank, world, L, reps, cp):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", nargs="+", choices=list(CASES), default=list(CASES), help="one after another")
     p.add_argument("--n", type=int, default=2, help="CP ranks (gloo processes)")
+    p.add_argument("--layout", choices=["contiguous", "head_tail"], default="head_tail")
     p.add_argument("--len", type=int, default=4096, help="tokens a rank (a multiple of 512)")
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--text", action="store_true", help="the same rows without their media")
     p.add_argument("--quick", action="store_true", help="512 tokens a rank, one step")
     p.add_argument("--json", default="out/media_memory.json")
     args = p.parse_args(argv)
     if args.quick:
         args.len, args.reps = 512, 1
     rows = []
-    for variant, world in (("alone", 1), ("torch_impl", args.n)):
-        figures = run_ranks(
-            rank_figures, world, args.len, args.reps, variant != "alone", timeout_s=1800, env=RANK_ENV
+    for name in args.model:
+        for variant, world in (("alone", 1), ("torch_impl", args.n)):
+            cp = variant != "alone"
+            figures = run_ranks(
+                rank_figures, world, name, args.len, args.reps, cp, args.layout, args.text, **LAUNCH
+            )
+            for rank, f in enumerate(figures):
+                rows.append({"model": name, "variant": variant, "rank": rank, "L": args.len} | f)
+                print(rows[-1], flush=True)
+    for name in args.model:
+        alone = next(r for r in rows if r["model"] == name and r["variant"] == "alone")
+        ranks = [r for r in rows if r["model"] == name and r["variant"] == "torch_impl"]
+        worst = max(ranks, key=lambda r: r["peak_mib"])
+        print(
+            f"# {name}: the worst rank's peak {worst['peak_mib'] / alone['peak_mib']:.2f}x the rank "
+            f"alone's, its step {worst['ms'] / alone['ms']:.2f}x"
         )
-        for rank, f in enumerate(figures):
-            rows.append({"variant": variant, "rank": rank, "L": args.len} | f)
-            print(rows[-1], flush=True)
-    alone = rows[0]
-    worst = max((r for r in rows if r["variant"] == "torch_impl"), key=lambda r: r["peak_mib"])
-    print(
-        f"# the worst rank's peak {worst['peak_mib'] / alone['peak_mib']:.2f}x the rank alone's, "
-        f"its step {worst['ms'] / alone['ms']:.2f}x"
-    )
     results.write(args.json, args, rows)
 
 

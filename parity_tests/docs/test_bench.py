@@ -164,10 +164,31 @@ def test_media_cost_quick_mode_counts_each_ranks_share(tmp_path):
 
 
 def test_media_memory_quick_mode_measures_each_rank(tmp_path):
-    """The peak-memory benchmark with images across ranks, quick (512 tokens a rank, one step):
-    the rank alone and both CP ranks measured (no memory or timing assertions)."""
+    """The peak-memory benchmark with images across ranks, quick (512 tokens a rank, one step), on
+    Gemma 3: the rank alone and both CP ranks measured (no memory or timing assertions)."""
     json_path = tmp_path / "media_memory.json"
-    bench("media_memory", "--quick", "--json", json_path)
+    bench("media_memory", "--quick", "--model", "gemma3", "--json", json_path)
     rows = json.loads(json_path.read_text())["rows"]
-    assert [(r["variant"], r["rank"]) for r in rows] == [("alone", 0), ("torch_impl", 0), ("torch_impl", 1)]
+    assert [(r["model"], r["variant"], r["rank"]) for r in rows] == [
+        ("gemma3", "alone", 0),
+        ("gemma3", "torch_impl", 0),
+        ("gemma3", "torch_impl", 1),
+    ]
     assert all(r["peak_mib"] > 0 and r["ms"] > 0 for r in rows), rows
+
+
+@pytest.mark.slow  # (about 40 s: two models, six processes; make test-all)
+def test_media_memory_quick_mode_measures_gemma4_and_a_video(tmp_path):
+    """The same, quick, on Gemma 4's images (bidirectional on its sliding layers) and Qwen3-VL's
+    video: each model's rank alone and both CP ranks, and the report renders a table per model."""
+    json_path = tmp_path / "media_memory.json"
+    bench("media_memory", "--quick", "--model", "gemma4", "qwen3_vl", "--json", json_path)
+    rows = json.loads(json_path.read_text())["rows"]
+    assert [(r["model"], r["variant"], r["rank"]) for r in rows] == [
+        (model, variant, rank)
+        for model in ("gemma4", "qwen3_vl")
+        for variant, rank in (("alone", 0), ("torch_impl", 0), ("torch_impl", 1))
+    ]
+    assert all(r["peak_mib"] > 0 and r["ms"] > 0 for r in rows), rows
+    report = bench("report", "--show", "media_memory", "--results", tmp_path)
+    assert "Gemma 4 with images of 64 tokens" in report and "Qwen3-VL with a video" in report
