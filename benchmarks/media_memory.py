@@ -28,7 +28,10 @@ the rank alone does not pay):
 
   alone       one process: the plain model on a row of L tokens (7 items), no CP
   torch_impl  n gloo ranks: a row of n L tokens (8 n - 1 items) made CP by hf.parallelize and
-              sharded by hf.shard_batch; each rank's figures (the last holds 7.5 items' tokens)
+              sharded by hf.shard_batch; each rank's figures (under head_tail, rank 0 holds 7
+              items' tokens, rank 1 8)
+  ..., text   the same, on the same token ids without the media (`--text`, Qwen3-VL's by default):
+              what the text alone costs under CP
 
 Each variant of each model in fresh processes (cp_support.launch.run_ranks, RANK_ENV): a warm-up
 step, then the resident set's peak rise above the warmed-up process over `--reps` steps and their
@@ -53,11 +56,16 @@ SLIDING = dict(sliding_window=512, layer_types=["sliding_attention"] * 5 + ["ful
 TOWER = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4)
 
 
+def spacing(L):
+    """Tokens from one item to the next: L / 8; 128 at L = 512 (--quick), so that text (marks)
+    parts the items."""
+    return max(L // 8, 2 * MEDIA_TOKENS)
+
+
 def starts(S, L):
-    """The first placeholder of each item: one every L / 8 tokens from L / 8 - 32 on (one across
-    each multiple of L); every 128 at L = 512 (--quick), so that text (marks) parts the items."""
-    spacing = max(L // 8, 2 * MEDIA_TOKENS)
-    return range(spacing - MEDIA_TOKENS // 2, S - MEDIA_TOKENS + 1, spacing)
+    """The first placeholder of each item: one every spacing(L) tokens from half an item before it
+    on (one across each multiple of L)."""
+    return range(spacing(L) - MEDIA_TOKENS // 2, S - MEDIA_TOKENS + 1, spacing(L))
 
 
 def placed(S, L, kind, gen, marks=False):
@@ -163,7 +171,7 @@ def batch(name, config, S, L, text=False, seed=0):
     """The case's row of S tokens: its items every L / 8 tokens (starts), one across each multiple of
     L; `text`: the same token ids without the media (the placeholders text), for comparison."""
     made = CASES[name][1](config, S, L, torch.Generator().manual_seed(seed))
-    return {"input_ids": made["input_ids"], "labels": made["input_ids"]} if text else made
+    return {key: made[key] for key in ("input_ids", "labels")} if text else made
 
 
 def rank_figures(rank, world, name, L, reps, cp, layout, text):
@@ -199,29 +207,38 @@ def main(argv=None):
     p.add_argument("--layout", choices=["contiguous", "head_tail"], default="head_tail")
     p.add_argument("--len", type=int, default=4096, help="tokens a rank (a multiple of 512)")
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--text", action="store_true", help="the same rows without their media")
+    p.add_argument(
+        "--text",
+        nargs="*",
+        choices=list(CASES),
+        default=["qwen3_vl"],
+        help="models also run on their rows without the media (variants 'alone, text', 'torch_impl, text')",
+    )
     p.add_argument("--quick", action="store_true", help="512 tokens a rank, one step")
     p.add_argument("--json", default="out/media_memory.json")
     args = p.parse_args(argv)
     if args.quick:
         args.len, args.reps = 512, 1
     rows = []
-    for name in args.model:
+    runs = [(name, text) for name in args.model for text in (False, True) if not text or name in args.text]
+    for name, text in runs:
         for variant, world in (("alone", 1), ("torch_impl", args.n)):
-            cp = variant != "alone"
+            cp, variant = variant != "alone", variant + (", text" if text else "")
             figures = run_ranks(
-                rank_figures, world, name, args.len, args.reps, cp, args.layout, args.text, **LAUNCH
+                rank_figures, world, name, args.len, args.reps, cp, args.layout, text, **LAUNCH
             )
             for rank, f in enumerate(figures):
-                rows.append({"model": name, "variant": variant, "rank": rank, "L": args.len} | f)
+                row = {"model": name, "variant": variant, "rank": rank, "L": args.len}
+                rows.append(row | {"every": spacing(args.len)} | f)
                 print(rows[-1], flush=True)
-    for name in args.model:
-        alone = next(r for r in rows if r["model"] == name and r["variant"] == "alone")
-        ranks = [r for r in rows if r["model"] == name and r["variant"] == "torch_impl"]
-        worst = max(ranks, key=lambda r: r["peak_mib"])
+    for name, text in runs:
+        mine = [r for r in rows if r["model"] == name and r["variant"].endswith(", text") == text]
+        alone = next(r for r in mine if r["variant"].startswith("alone"))
+        worst = max((r for r in mine if r is not alone), key=lambda r: r["peak_mib"])
+        peak, step = worst["peak_mib"] / alone["peak_mib"], worst["ms"] / alone["ms"]
         print(
-            f"# {name}: the worst rank's peak {worst['peak_mib'] / alone['peak_mib']:.2f}x the rank "
-            f"alone's, its step {worst['ms'] / alone['ms']:.2f}x"
+            f"# {name}{', text' if text else ''}: the worst rank's peak {peak:.2f}x alone's, "
+            f"its step {step:.2f}x"
         )
     results.write(args.json, args, rows)
 

@@ -202,13 +202,12 @@ MEDIA = {
 
 def media_memory(data):
     a = data["args"]
-    every = max(a["len"] // 8, 128)  # (media_memory.starts' spacing)
     models = {}
     for r in data["rows"]:  # (rows written before `--model` name none: Gemma 3's)
         models.setdefault(r.get("model", "gemma3"), []).append(r)
     blocks = []
     for model, rows in models.items():
-        alone = next(r for r in rows if r["variant"] == "alone")
+        every = rows[0].get("every", a["len"] // 8)  # (files written before it: L / 8)
         lines = [
             f"{MEDIA[model]} every {every} tokens, one across each shard edge; "
             f"L = {a['len']} tokens a rank, {a['n']} gloo ranks ({a.get('layout', 'contiguous')}), "
@@ -217,7 +216,9 @@ def media_memory(data):
             "| variant | rank | peak MiB | x alone | step ms | x alone |",
             "|---|---|---|---|---|---|",
         ]
-        for r in rows:
+        for r in rows:  # against the rank alone on the same kind of row (with media, or text only)
+            text = r["variant"].endswith(", text")
+            alone = next(x for x in rows if x["variant"] == "alone" + (", text" if text else ""))
             lines.append(
                 f"| {r['variant']} | {r['rank']} | {r['peak_mib']:.0f} | "
                 f"{r['peak_mib'] / alone['peak_mib']:.2f} | {r['ms']:.0f} | {r['ms'] / alone['ms']:.2f} |"

@@ -177,17 +177,19 @@ def test_media_memory_quick_mode_measures_each_rank(tmp_path):
     assert all(r["peak_mib"] > 0 and r["ms"] > 0 for r in rows), rows
 
 
-@pytest.mark.slow  # (about 40 s: two models, six processes; make test-all)
+@pytest.mark.slow  # (about a minute: two models, nine processes; make test-all)
 def test_media_memory_quick_mode_measures_gemma4_and_a_video(tmp_path):
     """The same, quick, on Gemma 4's images (bidirectional on its sliding layers) and Qwen3-VL's
-    video: each model's rank alone and both CP ranks, and the report renders a table per model."""
+    video, Qwen3-VL also on its rows without the video (`--text`'s default): each model's rank
+    alone and both CP ranks, and the report renders a table per model."""
     json_path = tmp_path / "media_memory.json"
     bench("media_memory", "--quick", "--model", "gemma4", "qwen3_vl", "--json", json_path)
     rows = json.loads(json_path.read_text())["rows"]
+    three = (("alone", 0), ("torch_impl", 0), ("torch_impl", 1))
     assert [(r["model"], r["variant"], r["rank"]) for r in rows] == [
-        (model, variant, rank)
-        for model in ("gemma4", "qwen3_vl")
-        for variant, rank in (("alone", 0), ("torch_impl", 0), ("torch_impl", 1))
+        *(("gemma4", variant, rank) for variant, rank in three),
+        *(("qwen3_vl", variant, rank) for variant, rank in three),
+        *(("qwen3_vl", f"{variant}, text", rank) for variant, rank in three),
     ]
     assert all(r["peak_mib"] > 0 and r["ms"] > 0 for r in rows), rows
     report = bench("report", "--show", "media_memory", "--results", tmp_path)

@@ -411,7 +411,7 @@ def gemma4(dtype=torch.float64):
     from parity_tests.hf import media_cases
 
     config = zoo.tiny_config("gemma4")
-    config.vision_config = media_cases._gemma4_vision("gemma4")
+    config.vision_config = media_cases.gemma4_vision("gemma4")
     config.get_text_config().use_bidirectional_attention = "vision"
     tokens = gemma4_processor().tokenizer
     for key, token in GEMMA4_TOKENS.items():

@@ -142,10 +142,8 @@ IMAGE_SIZES = ("mistral3", "lighton_ocr", *TILES)  # their images come with thei
 GRIDS = ((1, 4, 8), (1, 4, 4), (1, 4, 8))  # Qwen's images A, B, C: (t, h, w) patches, 8, 4, 8 tokens
 VIDEO = (2, 4, 4)  # Qwen's video in C's place: 2 temporal patches, 8 tokens
 FRAMES = (
-    "qwen3_vl",
-    "qwen3_vl_moe",
-    "qwen3_5",
-    "qwen3_5_moe",
+    *("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
+    *media.VIDEO_AS_IMAGE,  # (GLM's frames: its image token, type 2; no images beside them)
 )  # their videos' frames apart, each with its timestamp (at 14 and 21)
 STARTS = ((0, 6), (0, 20), (1, 12))  # (row, first placeholder) of A, B, C
 # Gemma 3's images of 9 tokens, longer than its sliding window (8): A at [11, 20) across the two
@@ -160,7 +158,7 @@ STARTS_OF = {
 }
 
 
-def _gemma4_vision(model_type):
+def gemma4_vision(model_type):
     """Gemma 4's tiny vision configs (the zoo's have none): patches of 4 pixels pooled 2 x 2 (the
     unified model's rows: merged patches of 8)."""
     from transformers.models.gemma4.configuration_gemma4 import Gemma4VisionConfig
@@ -194,7 +192,7 @@ HW_GRIDS = ("nemotron_h_omni",)
 def build(model_type):
     config = zoo.tiny_config(model_type)
     if model_type in GEMMA4:
-        config.vision_config = _gemma4_vision(model_type)
+        config.vision_config = gemma4_vision(model_type)
         config.get_text_config().use_bidirectional_attention = "vision"  # (gemma4's default: None)
     vision = getattr(config, "vision_config", None)  # (Fuyu has none)
     for key, value in VISION.get(model_type, {}).items():
@@ -246,6 +244,8 @@ def media_batch(config, video=False, seed=3, count=4):
     mask[1, :3] = 0
     three = GRIDS_FOR.get(config.model_type, GRIDS)
     grids = list(three[:2]) + ([] if video else [three[2]])
+    if video and config.model_type in media.VIDEO_AS_IMAGE:  # (its forward takes images or a video)
+        grids = []
     starts = STARTS_OF.get(config.model_type, STARTS)
     items = [(s, g, 1) for s, g in zip(starts, grids, strict=False)]
     items += [(starts[2], VIDEO, 2)] if video else []
@@ -256,7 +256,8 @@ def media_batch(config, video=False, seed=3, count=4):
         if kind == 2 and config.model_type in FRAMES:  # <t> <start> frame <end> <t> <start> frame <end>
             segments = [(start + 2 + 7 * t, count // grid[0]) for t in range(grid[0])]
         for first, tokens in segments:
-            ids[row, first : first + tokens] = image if kind == 1 else video_id
+            as_image = kind == 1 or config.model_type in media.VIDEO_AS_IMAGE
+            ids[row, first : first + tokens] = image if as_image else video_id
             types[row, first : first + tokens] = kind
             if qwen and None not in marks:  # vision start and end marks, where the config has them
                 ids[row, first - 1], ids[row, first + tokens] = marks
@@ -306,8 +307,9 @@ def media_batch(config, video=False, seed=3, count=4):
         if config.model_type == "inkling2":  # a [P * m, P * m, C] patch a token
             side = vision.patch_size * vision.spatial_merge_size
             pixels = torch.randn(rows, side, side, channels, generator=gen, dtype=torch.float64)
-        batch |= {"pixel_values": pixels}
-        batch |= {"image_grid_thw": torch.tensor(grids), "mm_token_type_ids": types}
+        if grids:
+            batch |= {"pixel_values": pixels, "image_grid_thw": torch.tensor(grids)}
+        batch["mm_token_type_ids"] = types
         if (
             config.model_type == "video_llama_3"
         ):  # merge sizes of 2 (its processor's default is 1): Qwen's counts

@@ -183,3 +183,23 @@ def test_shard_batch_takes_a_cross_attention_mask_of_the_tokens_rows():
     assert torch.equal(local["cross_attention_mask"], sees) and local["aspect_ratio_ids"] is ratios
     with pytest.raises(ValueError, match=r"cross_attention_mask.*must start with \[B, S\]"):
         hf.shard_batch({"input_ids": ids, "cross_attention_mask": sees[:, :4]}, None)
+
+
+def test_mllama_images_need_their_cross_attention_mask_of_the_shards_rows():
+    """Mllama's images without a cross_attention_mask (sdpa would then align its cross-attention
+    causally to each rank's own rows), or with one of other rows than the shard's (the model would
+    keep its first rows): refused, saying why."""
+    from transformers import MllamaConfig
+
+    from torch_impl.hf import input_checks
+
+    module = SimpleNamespace(config=MllamaConfig())
+    given = {"input_ids": torch.zeros(2, 8, dtype=torch.long), "pixel_values": torch.zeros(2, 1, 1, 3, 4, 4)}
+    names = ["input_ids", "pixel_values", "cross_attention_mask"]
+    message = input_checks.check_text(module, given.get, names)
+    assert "without a cross_attention_mask" in message, message
+    given["cross_attention_mask"] = torch.ones(2, 16, 1, 1)  # the whole row's, not the shard's 8
+    message = input_checks.check_text(module, given.get, names)
+    assert "`cross_attention_mask` of rows (2, 16), not the shard's (2, 8)" in message, message
+    given["cross_attention_mask"] = torch.ones(2, 8, 1, 1)
+    assert input_checks.check_text(module, given.get, names) is None

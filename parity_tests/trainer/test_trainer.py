@@ -45,6 +45,7 @@ DP_CASES = (
     "sft_gemma3_packed_completion",
     "sft_gpt_oss_packed_head_tail",
     "sft_gemma4_images",
+    "trainer_gemma4",
     "trainer_gemma3_lora",
     "reward_llama",
     "dpo_mistral_head_tail",
@@ -382,3 +383,19 @@ def test_the_recipes_over_cp_equal_them_without(runs, recipe):
             assert g["reward"] == w["reward"], (w["step"], g["reward"], w["reward"])
     scale = max(abs(want["eval_loss"]), floor["loss"])
     bounds.check(abs(got["eval_loss"] - want["eval_loss"]), c * U32 * scale, "eval_loss")
+
+
+def test_shard_pads_a_cross_attention_mask_along_its_rows():
+    """The mixin's `shard` pads Mllama's cross_attention_mask [B, S, images, tiles] along the rows
+    (zeros: a padding token sees no image), as it pads the tokens to what the layout needs."""
+    from types import SimpleNamespace
+
+    from torch_impl.hf.trainer import ContextParallelMixin
+
+    trainer = SimpleNamespace(cp_size=2, cp_layout="head_tail", cp_group=None, _pad_id=lambda: 0)
+    ids, sees = torch.arange(1, 11).view(1, 10), torch.ones(1, 10, 2, 3, dtype=torch.long)
+    batch = {"input_ids": ids, "labels": ids, "cross_attention_mask": sees}
+    local = ContextParallelMixin.shard(trainer, batch)  # (no group: the whole padded batch)
+    assert local["input_ids"].shape == (1, 12) and local["cross_attention_mask"].shape == (1, 12, 2, 3)
+    assert torch.equal(local["cross_attention_mask"][:, :10], sees)
+    assert not local["cross_attention_mask"][:, 10:].any()

@@ -259,6 +259,13 @@ MATRIX = {
 }
 MATRIX["sft_llava_images_head_tail"] = ("sft", "llava", "head_tail", {"images": True})
 MATRIX["sft_glm4v_images_head_tail"] = ("sft", "glm4v", "head_tail", {"images": True})
+# Gemma 4's count with TRL's per-process count (no factor of the processes to take back out)
+MATRIX["sft_gemma4_images_per_process"] = (
+    "sft",
+    "gemma4",
+    "contiguous",
+    {"images": True, "rtol": 1e-4, "args": {"average_tokens_across_devices": False}},
+)
 EVERY_CASE = CASES | MATRIX
 STREAMED = {"accelerator_config": {"dispatch_batches": False}}
 COUNTED = {"include_num_input_tokens_seen": True}  # every case logs the tokens its batches held
@@ -367,8 +374,12 @@ def model_of(kind, name, extra):
     if kind == "reward":
         model = hf_models.build_head("ForSequenceClassification", name, num_labels=1)
     elif extra.get("images"):
-        build = {"llava": vlm.llava, "qwen2_vl": hf_models.qwen2_vl, "gemma4": hf_models.gemma4}
-        build = (build | {"glm4v": hf_models.glm4v})[name]
+        build = {
+            "llava": vlm.llava,
+            "qwen2_vl": hf_models.qwen2_vl,
+            "gemma4": hf_models.gemma4,
+            "glm4v": hf_models.glm4v,
+        }[name]
         model = build(getattr(torch, extra.get("dtype", "float64")))
     elif name == "gemma4":  # (its class sets accepts_loss_kwargs = False: the trainer gives no count)
         model = hf_models.gemma4(getattr(torch, extra.get("dtype", "float64")))
@@ -453,8 +464,11 @@ def build(kind, name, layout, extra, cp_size, output_dir, **overrides):
         args = sft.sft_config(output_dir, **overrides)
         if extra.get("images"):  # prompts with images, completions, padded (TRL packs no images)
             args = vlm.vlm_config(output_dir, **overrides)
-            image = {"qwen2_vl": hf_models.QWEN_IMAGE, "gemma4": hf_models.GEMMA4_IMAGE}
-            image = (image | {"glm4v": hf_models.GLM4V_IMAGE}).get(name, vlm.IMAGE)
+            image = {
+                "qwen2_vl": hf_models.QWEN_IMAGE,
+                "gemma4": hf_models.GEMMA4_IMAGE,
+                "glm4v": hf_models.GLM4V_IMAGE,
+            }.get(name, vlm.IMAGE)
             data = dict(train_dataset=vlm.rows(48, 0, image), eval_dataset=vlm.rows(8, 1, image))
             if extra.get("one_image"):  # the rows with one image
                 data = {key: rows.filter(lambda row: len(row["images"]) == 1) for key, rows in data.items()}
@@ -472,9 +486,12 @@ def build(kind, name, layout, extra, cp_size, output_dir, **overrides):
             )
         data["processing_class"] = trainer_data.tokenizer()
         if extra.get("images"):
-            processors = {"qwen2_vl": hf_models.qwen2_vl_processor, "gemma4": hf_models.gemma4_processor}
-            processors["glm4v"] = hf_models.glm4v_processor
-            data["processing_class"] = processors.get(name, vlm.processor)()
+            processor = {
+                "qwen2_vl": hf_models.qwen2_vl_processor,
+                "gemma4": hf_models.gemma4_processor,
+                "glm4v": hf_models.glm4v_processor,
+            }.get(name, vlm.processor)
+            data["processing_class"] = processor()
     if wrapped_by_trl:
         data["peft_config"] = lora_config(kind)
         torch.manual_seed(0)  # as model_of draws A

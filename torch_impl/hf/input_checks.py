@@ -59,10 +59,17 @@ def check_text(module, argument, names):
             "load-balancing statistic of its slice's tokens, not of the sequence's; set "
             "output_router_logits=False or router_aux_loss_coef=0.0 in the model config"
         )
+    tokens = argument("input_ids") if argument("input_ids") is not None else argument("inputs_embeds")
     for name in names:
         value = argument(name)
         if name in TEXT_INPUTS or value is None or _config_setting(module, name, value):
             continue
+        if given and name in media.ROW_KEYS and tuple(value.shape[:2]) != tuple(tokens.shape[:2]):
+            return (
+                f"torch_impl.hf: the model was given `{name}` of rows {tuple(value.shape[:2])}, not "
+                f"the shard's {tuple(tokens.shape[:2])}; under CP pass it in the batch to "
+                "hf.shard_batch, which shards it with the tokens"
+            )
         if given and name in (*media.MEDIA_KEYS, *media.ROW_KEYS, *TYPE_KEYS):
             continue
         if name in TYPE_KEYS:
@@ -91,6 +98,7 @@ def signature(argument, tokens, creates_cache):
         "attention_mask": int(argument("attention_mask") is not None),
         "position_ids": int(argument("position_ids") is not None),
         "past_key_values": int(argument("past_key_values") is not None),
+        **{key: int(argument(key) is not None) for key in media.ROW_KEYS},
         "use_cache": int(creates_cache),
     }
 

@@ -137,7 +137,8 @@ def _check_configs(model, towers, allowed=()):
 
 
 def _kind(name, module, family=""):
-    """'attention', 'short_conv', 'token_conv' (Inkling2's, Qwen4's PLE), 'recurrent', or None for a
+    """'attention', 'cross_attention' (CROSS_ATTENTION: keys every rank holds whole), 'short_conv',
+    'token_conv' (Inkling2's, Qwen4's PLE), 'recurrent', or None for a
     module that mixes no tokens itself; ValueError for a module that mixes them in a way CP cannot
     reproduce exactly. `family`: a class-name prefix that names no recurrence (RecurrentGemma's,
     whose MLP, norm and rotary embedding are RecurrentGemma*)."""

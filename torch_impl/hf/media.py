@@ -108,8 +108,13 @@ FIELD = {"llama4": "last_hidden_state", "fuyu": "last_hidden_state"}  # (Fuyu's:
 # those whose videos are too (MiniMax-M3-VL's come out wrong: refused)
 VIDEOS = (
     *("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
-    *("hyperclovax_vision_v2", "exaone4_5"),
+    *("hyperclovax_vision_v2", "exaone4_5", *("glm4v", "glm4v_moe", "glm46v", "glm_ocr")),
+    *("lfm3_vl", "dots3_note", "muse_spark", "muse_glimmer"),
 )
+# families whose video frames are marked with the image token, each frame its own run of tokens
+# between marks and a timestamp (the processor's types: 2), which their forward places the video's
+# features on (GLM-4.1V to 4.6V, GLM-OCR: a batch holds images or videos, not both)
+VIDEO_AS_IMAGE = ("glm4v", "glm4v_moe", "glm46v", "glm_ocr")
 
 
 class Blockwise(NamedTuple):
@@ -164,6 +169,12 @@ def refusal(module, argument, media):
     videos = MODALITIES["video"].pixels in media
     if model_type in REFUSED:
         return f"torch_impl.hf: {type(module).__name__} was given {media}: {REFUSED[model_type]}"
+    if model_type in CROSS and argument(ROW_KEYS[0]) is None:
+        return (
+            f"torch_impl.hf: {type(module).__name__} was given {media} without a {ROW_KEYS[0]}: its "
+            "cross-attention then runs without a mask, which sdpa aligns causally to the rows it "
+            "holds; pass the processor's mask to hf.shard_batch"
+        )
     if argument(LOCAL_VIEWS) is not None and argument(LOCAL_VIEWS).numel():
         return (
             f"torch_impl.hf: {type(module).__name__} was given local views ({LOCAL_VIEWS}): a rank "
@@ -212,7 +223,8 @@ def inputs(module, argument, ids, types, padding, rows, group):
         if pixels is None:
             continue
         features, as_tensor, shared = _encode(module, modality, pixels, argument, group)  # [tokens, W]
-        placeholder = ids == _token_id(module.config, modality)  # [B, S]
+        marked = MODALITIES["image"] if module.config.model_type in VIDEO_AS_IMAGE else modality
+        placeholder = ids == _token_id(module.config, marked)  # [B, S]
         if placeholder.sum() != features.shape[0]:
             raise ValueError(
                 f"torch_impl.hf: the batch has {int(placeholder.sum())} {name} placeholder tokens and "

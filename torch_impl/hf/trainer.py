@@ -21,7 +21,9 @@ data-parallel replica's CP ranks. Through the trainers' public methods only:
    number of processes and its DDP (FSDP2's reduce-scatter) averages over all of them, so the
    gradients, `loss` and `grad_norm` are the dp-only run's. Where the trainer gives no count (TRL's
    evaluation: each process's loss its own mean), the replica's token mean is formed over its CP
-   ranks. TRL's RewardTrainer: the model's pooled rewards are whole on every CP rank
+   ranks; a model that takes no loss kwargs (the dp-only run: each micro-batch its own mean) is given
+   the micro-batch's count and its loss multiplied by cp (`_micro_batch_mean`). TRL's
+   RewardTrainer: the model's pooled rewards are whole on every CP rank
    (torch_impl.hf.heads), so each computes the replica's loss; DDP's average over dp x cp undoes
    the CP size by which select_position's backward sums the ranks' gradients. TRL's DPOTrainer
    and KTOTrainer: their own loss on every CP rank, over whole rows, the model's fused LM head
@@ -294,12 +296,15 @@ class ContextParallelMixin:
         of shifted labels (from the replica's whole batch: the same on every CP rank), so that
         DDP's average over dp x cp gives the dp-only run's. The count goes where the loss is
         made: TRL's SFTTrainer's own loss takes it as `num_items_in_batch` (times the processes
-        where `average_tokens_across_devices`, which is taken back out); transformers' Trainer
-        leaves the loss to the model, whose forward passes its `**kwargs` on to its loss function."""
+        where `average_tokens_across_devices`, which is taken back out); under transformers'
+        Trainer, which leaves the loss to the model, the mixin adds the count to the model's
+        inputs, and the model's forward must pass its `**kwargs` on to its loss function (every
+        such class of the pinned transformers does; a forward without `**kwargs` is refused)."""
         count = (inputs["labels"][:, 1:] != IGNORE_INDEX).sum()  # as shard_batch's shifted labels
         if self.cp_counts_rows:  # SFTTrainer: its own loss from the count
             result = super().compute_loss(model, local, return_outputs, count)
-            scale = self.accelerator.num_processes if self.args.average_tokens_across_devices else 1
+            processes = self.accelerator.num_processes // self.get_tp_size()  # (TRL's factor)
+            scale = processes if self.args.average_tokens_across_devices else 1
         else:
             result = super().compute_loss(model, local | {"num_items_in_batch": count}, return_outputs)
             scale = 1
