@@ -144,6 +144,7 @@ VIDEO = (2, 4, 4)  # Qwen's video in C's place: 2 temporal patches, 8 tokens
 FRAMES = (
     *("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
     *media.VIDEO_AS_IMAGE,  # (GLM's frames: its image token, type 2; no images beside them)
+    *("cosmos3_edge", "cohere_compass", "qwen4_exp", "cosmos3_omni"),  # (positions: a run a frame)
 )  # their videos' frames apart, each with its timestamp (at 14 and 21)
 STARTS = ((0, 6), (0, 20), (1, 12))  # (row, first placeholder) of A, B, C
 # Gemma 3's images of 9 tokens, longer than its sliding window (8): A at [11, 20) across the two
@@ -252,6 +253,8 @@ def media_batch(config, video=False, seed=3, count=4):
     counts = _counts(config) or [count] * 3
     for ((row, start), grid, kind), tokens in zip(items, counts + [count], strict=False):
         count = _grid_tokens(config.model_type, grid) if qwen else tokens
+        if kind == 2 and config.model_type in media.WHOLE_VIDEOS:  # its frames merged in time
+            count //= config.vision_config.temporal_merge_size
         segments = [(start, count)]
         if kind == 2 and config.model_type in FRAMES:  # <t> <start> frame <end> <t> <start> frame <end>
             segments = [(start + 2 + 7 * t, count // grid[0]) for t in range(grid[0])]

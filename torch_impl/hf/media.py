@@ -109,12 +109,16 @@ FIELD = {"llama4": "last_hidden_state", "fuyu": "last_hidden_state"}  # (Fuyu's:
 VIDEOS = (
     *("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
     *("hyperclovax_vision_v2", "exaone4_5", *("glm4v", "glm4v_moe", "glm46v", "glm_ocr")),
-    *("lfm3_vl", "dots3_note", "muse_spark", "muse_glimmer"),
+    *("lfm3_vl", "dots3_note", "muse_spark", "muse_glimmer", "cosmos3_edge", "cohere_compass"),
+    *("ernie4_5_vl_moe", "qwen4_exp", "cosmos3_omni"),
 )
 # families whose video frames are marked with the image token, each frame its own run of tokens
 # between marks and a timestamp (the processor's types: 2), which their forward places the video's
 # features on (GLM-4.1V to 4.6V, GLM-OCR: a batch holds images or videos, not both)
 VIDEO_AS_IMAGE = ("glm4v", "glm4v_moe", "glm46v", "glm_ocr")
+# families whose tower merges a video's frames in time (ERNIE 4.5 VL's resampler, pairs of frames):
+# a video is shared whole, not split into its frames
+WHOLE_VIDEOS = ("ernie4_5_vl_moe",)
 
 
 class Blockwise(NamedTuple):
@@ -388,7 +392,9 @@ def _encode(module, modality, pixels, argument, group):
         pixels, argument = _real_images(pixels, argument)
     name = next((key for key in modality.grids if argument(key) is not None), None)
     grid = None if name is None else argument(name)
-    if grid is not None and grid.shape[-1] == 3 and all(argument(key) is None for key in modality.per_item):
+    frames = all(argument(key) is None for key in modality.per_item)  # (split into frames)
+    frames = frames and module.config.model_type not in WHOLE_VIDEOS
+    if grid is not None and grid.shape[-1] == 3 and frames:
         grid = grid.repeat_interleave(grid[:, 0], dim=0)  # [frames, 3], a new tensor
         grid[:, 0] = 1
     rows = grid.prod(-1) if grid is not None else torch.ones(len(pixels), dtype=torch.long)  # [items]
