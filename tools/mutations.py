@@ -309,6 +309,13 @@ MUTATIONS += [
         "return module.context_parallel.attend(module, query, key, value, None, **kwargs)",
         ("parity_tests/hf/test_hf_media.py", "-k", "equals_one_process and mllama-4"),
     ),
+    Mutation(  # every video split into frames, MiniMax-M3-VL's too, whose tower attends across them
+        "video_frames_split_where_the_tower_mixes_them",
+        "torch_impl/hf/media.py",
+        "chunk = _frame_chunks(module.config, t) if video else torch.ones_like(t)",
+        "chunk = torch.ones_like(t)",
+        ("parity_tests/hf/test_hf_media.py", "-k", "equals_one_process and minimax_m3_vl-4-head_tail-True"),
+    ),
     Mutation(  # the CP ranks of a replica would get different rows (the inputs check raises)
         "trainer_rows_sharded_over_every_process",
         "torch_impl/hf/trainer.py",

@@ -141,6 +141,7 @@ MM_TOKENS = {"gemma3": 9, "shieldgemma2": 9}  # config.mm_tokens_per_image
 IMAGE_SIZES = ("mistral3", "lighton_ocr", *TILES)  # their images come with their sizes
 GRIDS = ((1, 4, 8), (1, 4, 4), (1, 4, 8))  # Qwen's images A, B, C: (t, h, w) patches, 8, 4, 8 tokens
 VIDEO = (2, 4, 4)  # Qwen's video in C's place: 2 temporal patches, 8 tokens
+VIDEO_OF = {"ernie4_5_vl_moe": (4, 4, 4)}  # (two pairs of frames its tower merges: 8 tokens)
 FRAMES = (
     *("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
     *media.VIDEO_AS_IMAGE,  # (GLM's frames: its image token, type 2; no images beside them)
@@ -249,12 +250,13 @@ def media_batch(config, video=False, seed=3, count=4):
         grids = []
     starts = STARTS_OF.get(config.model_type, STARTS)
     items = [(s, g, 1) for s, g in zip(starts, grids, strict=False)]
-    items += [(starts[2], VIDEO, 2)] if video else []
+    clip = VIDEO_OF.get(config.model_type, VIDEO)
+    items += [(starts[2], clip, 2)] if video else []
     counts = _counts(config) or [count] * 3
     for ((row, start), grid, kind), tokens in zip(items, counts + [count], strict=False):
         count = _grid_tokens(config.model_type, grid) if qwen else tokens
-        if kind == 2 and config.model_type in media.WHOLE_VIDEOS:  # its frames merged in time
-            count //= config.vision_config.temporal_merge_size
+        if kind == 2 and config.model_type in media.FRAMES_TOGETHER:  # its frames merged in time
+            count //= getattr(config.vision_config, media.FRAMES_TOGETHER[config.model_type] or "", 1)
         segments = [(start, count)]
         if kind == 2 and config.model_type in FRAMES:  # <t> <start> frame <end> <t> <start> frame <end>
             segments = [(start + 2 + 7 * t, count // grid[0]) for t in range(grid[0])]
@@ -318,9 +320,10 @@ def media_batch(config, video=False, seed=3, count=4):
         ):  # merge sizes of 2 (its processor's default is 1): Qwen's counts
             batch["image_merge_sizes"] = torch.tensor([2] * len(grids))
         if video:
-            frames = VIDEO[0] * VIDEO[1] * VIDEO[2]
+            clip = VIDEO_OF.get(config.model_type, VIDEO)
+            frames = clip[0] * clip[1] * clip[2]
             batch |= {"pixel_values_videos": torch.randn(frames, width, generator=gen, dtype=torch.float64)}
-            batch |= {"video_grid_thw": torch.tensor([VIDEO])}
+            batch |= {"video_grid_thw": torch.tensor([clip])}
         return batch
     if config.model_type in PACKED_SIZES:  # every slice's patches side by side, [1, C, P, patches * P]
         sizes = torch.tensor(PACKED_SIZES[config.model_type], dtype=torch.int32)

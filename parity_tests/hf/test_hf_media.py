@@ -131,10 +131,20 @@ def test_unified_images_past_the_window_are_refused():
 
 
 def test_unverified_videos_are_refused(pool):
-    """MiniMax-M3-VL's images are split, its videos not (the sweep's video comes out wrong): a
-    batch with a video is refused, saying so, on every rank."""
-    for message in pool.run(("first", 2), media_cases.video_refused, "minimax_m3_vl")[0]:
-        assert message and "minimax_m3_vl its videos are not verified under CP" in message, message
+    """Kimi K2.5's images are split, its videos not (its tower merges a video's frames: not
+    verified): a batch with a video is refused, saying so, on every rank."""
+    for message in pool.run(("first", 2), media_cases.video_refused, "kimi_k25")[0]:
+        assert message and "kimi_k25 its videos are not verified under CP" in message, message
+
+
+def test_glm_images_beside_a_video_are_refused():
+    """GLM marks a video's frames with the image token: images and a video in one batch, which its
+    forward cannot take either, are refused before any tower runs, saying why."""
+    module = SimpleNamespace(config=SimpleNamespace(model_type="glm4v"))
+    message = media.refusal(module, lambda name: None, ["pixel_values", "pixel_values_videos"])
+    assert "its forward takes images or a video, not both" in message, message
+    given = {"input_ids": torch.zeros(1, 4, dtype=torch.long)}.get
+    assert media.refusal(module, given, ["pixel_values_videos"]) is None
 
 
 def test_packed_rows_with_gemma3_images_are_refused(pool):

@@ -2,8 +2,9 @@
 
 `shard_batch` gives every rank the batch's media whole (pixel values, grids, image sizes: a few
 bytes a pixel, no activations) and its shard of the token ids and token types. In the forward,
-rank r encodes its share of the items (images, videos; Qwen's split into frames): contiguous,
-balanced by pixel count, so about 1/n of the vision tower's work (a rank without a share encodes
+rank r encodes its share of the items (images, videos; split into frames, or into the frames a
+tower mixes: FRAMES_TOGETHER): contiguous, balanced by pixel count, so about 1/n of the vision
+tower's work (a rank without a share encodes
 the first item and keeps none of it: the tower runs, and gets gradients, on every rank, as FSDP2
 and DDP need). The features (and Qwen3-VL's
 deepstack features) are all-gathered, and the rank keeps those of its own placeholder tokens, in
@@ -110,15 +111,17 @@ VIDEOS = (
     *("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
     *("hyperclovax_vision_v2", "exaone4_5", *("glm4v", "glm4v_moe", "glm46v", "glm_ocr")),
     *("lfm3_vl", "dots3_note", "muse_spark", "muse_glimmer", "cosmos3_edge", "cohere_compass"),
-    *("ernie4_5_vl_moe", "qwen4_exp", "cosmos3_omni"),
+    *("ernie4_5_vl_moe", "qwen4_exp", "cosmos3_omni", "minimax_m3_vl"),
 )
 # families whose video frames are marked with the image token, each frame its own run of tokens
 # between marks and a timestamp (the processor's types: 2), which their forward places the video's
 # features on (GLM-4.1V to 4.6V, GLM-OCR: a batch holds images or videos, not both)
 VIDEO_AS_IMAGE = ("glm4v", "glm4v_moe", "glm46v", "glm_ocr")
-# families whose tower merges a video's frames in time (ERNIE 4.5 VL's resampler, pairs of frames):
-# a video is shared whole, not split into its frames
-WHOLE_VIDEOS = ("ernie4_5_vl_moe",)
+# families whose tower mixes a video's frames (videos are split into frames otherwise: the tower
+# attends within a frame): the config field naming how many frames it merges in time (ERNIE 4.5
+# VL's resampler: pairs; videos split into chunks of that many frames), or None where it attends
+# across all of them (MiniMax-M3-VL's: videos shared whole)
+FRAMES_TOGETHER = {"ernie4_5_vl_moe": "temporal_merge_size", "minimax_m3_vl": None}
 
 
 class Blockwise(NamedTuple):
@@ -173,6 +176,11 @@ def refusal(module, argument, media):
     videos = MODALITIES["video"].pixels in media
     if model_type in REFUSED:
         return f"torch_impl.hf: {type(module).__name__} was given {media}: {REFUSED[model_type]}"
+    if model_type in VIDEO_AS_IMAGE and len({MODALITIES[m].pixels for m in MODALITIES} & set(media)) == 2:
+        return (
+            f"torch_impl.hf: {type(module).__name__} was given images and a video: it marks a "
+            "video's frames with the image token, so its forward takes images or a video, not both"
+        )
     if model_type in CROSS and argument(ROW_KEYS[0]) is None:
         return (
             f"torch_impl.hf: {type(module).__name__} was given {media} without a {ROW_KEYS[0]}: its "
@@ -380,23 +388,43 @@ def _share_inputs(module, modality, pixels, named_grid, rows, lo, hi, argument):
     return kwargs, order
 
 
+def _frame_chunks(config, t):
+    """The frames each piece of the items of t frames [items] holds: 1 (the tower attends within a
+    frame), or for a FRAMES_TOGETHER family the frames its tower merges (ValueError where they do
+    not divide t) or all t."""
+    if config.model_type not in FRAMES_TOGETHER:
+        return torch.ones_like(t)
+    field = FRAMES_TOGETHER[config.model_type]
+    if field is None:
+        return t.clone()
+    merged = getattr(config.vision_config, field)
+    if bool((t % merged).any()):
+        raise ValueError(
+            f"torch_impl.hf: {config.model_type}'s tower merges {merged} frames at a time; items of "
+            f"{t.tolist()} frames do not split into them"
+        )
+    return torch.full_like(t, merged)
+
+
 def _encode(module, modality, pixels, argument, group):
     """Every item's features [tokens, W] in item order (pooled, then any deepstack features side by
     side), this rank having encoded its share; whether the model's encoder returns its pooled
     features as one tensor (not one per item); and the encoder's outputs that are not per item
     (SHARED: this rank's own call's). LLaVA-OneVision's share is encoded tiled images first
     (_tiled) and put back in item order. Items with a (t, h, w) grid are split into their
-    frames (t = 1 each: the Qwen towers attend within a frame), so that one long video is shared too."""
+    frames (t = 1 each: the Qwen towers attend within a frame), so that one long video is shared
+    too; a FRAMES_TOGETHER family's videos into the frames its tower mixes (_frame_chunks)."""
     n, r = _group.world_size(group), _group.rank(group)
     if module.config.model_type in PER_ROW:
         pixels, argument = _real_images(pixels, argument)
     name = next((key for key in modality.grids if argument(key) is not None), None)
     grid = None if name is None else argument(name)
-    frames = all(argument(key) is None for key in modality.per_item)  # (split into frames)
-    frames = frames and module.config.model_type not in WHOLE_VIDEOS
-    if grid is not None and grid.shape[-1] == 3 and frames:
-        grid = grid.repeat_interleave(grid[:, 0], dim=0)  # [frames, 3], a new tensor
-        grid[:, 0] = 1
+    if grid is not None and grid.shape[-1] == 3 and all(argument(key) is None for key in modality.per_item):
+        t = grid[:, 0]  # [items]
+        video = modality is MODALITIES["video"]
+        chunk = _frame_chunks(module.config, t) if video else torch.ones_like(t)  # [items]: frames a piece
+        grid = grid.repeat_interleave(t // chunk, dim=0)  # [pieces, 3], a new tensor
+        grid[:, 0] = chunk.repeat_interleave(t // chunk)
     rows = grid.prod(-1) if grid is not None else torch.ones(len(pixels), dtype=torch.long)  # [items]
     lo, hi = share(rows.tolist(), n)[r]
     # a rank without a share encodes the first item and keeps none of it, so that the encoder runs
