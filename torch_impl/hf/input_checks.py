@@ -98,7 +98,6 @@ def signature(argument, tokens, creates_cache):
         "attention_mask": int(argument("attention_mask") is not None),
         "position_ids": int(argument("position_ids") is not None),
         "past_key_values": int(argument("past_key_values") is not None),
-        **{key: int(argument(key) is not None) for key in media.ROW_KEYS},
         "use_cache": int(creates_cache),
     }
 
