@@ -156,14 +156,18 @@ def mesh_and_alternating_groups(rank, world):
 
 
 def survive_dead_peer(rank, store_path, function, results):
-    """Rank 0 dies after joining; rank 1 calls `function` and reports what it saw, and when."""
+    """Rank 0 dies once both have joined (rank 1 says so through the store: rank 0's join can return
+    while rank 1's is still connecting, which then fails instead of the call); rank 1 calls
+    `function` and reports what it saw, and when."""
     from datetime import timedelta
 
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2, timeout=timedelta(seconds=20)
-    )
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=20))
     if rank == 0:
+        store.wait(["joined"])
         os._exit(1)
+    store.set("joined", "1")
+    time.sleep(0.5)  # (rank 0 gone)
     group, x = dist.group.WORLD, _rank_input(rank)
     start = time.monotonic()
     try:
