@@ -328,6 +328,24 @@ def make_classification_batch(left=False, pad_token_id=0, seed=3):
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": torch.tensor([0, 1, 1])}
 
 
+def _words(tokens):
+    """examples/recipes/trainer_data's word-level tokenizer with a processor's special `tokens`."""
+    from examples.recipes import trainer_data
+
+    words = trainer_data.tokenizer()
+    words.add_special_tokens({"additional_special_tokens": list(tokens.values())})
+    return words
+
+
+def _with_tokens(model_class, config, tokens, dtype):
+    """`model_class` from `config` with its `<key>_token_id`s those of _words(tokens), seeded."""
+    words = _words(tokens)
+    for key, token in tokens.items():
+        setattr(config, f"{key}_token_id", words.convert_tokens_to_ids(token))
+    torch.manual_seed(0)
+    return model_class(config).to(dtype)
+
+
 QWEN_TOKENS = {"vision_start": "<|vision_start|>", "image": "<|image_pad|>", "vision_end": "<|vision_end|>"}
 QWEN_IMAGE = "".join(QWEN_TOKENS.values())  # Qwen2-VL's text for an image
 
@@ -340,8 +358,6 @@ def qwen2_vl_processor():
     import transformers as tf
     from transformers.processing_utils import ProcessorMixin
 
-    from examples.recipes import trainer_data
-
     class Qwen2VLImageProcessor(tf.Qwen2VLProcessor):
         def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
             self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
@@ -349,8 +365,7 @@ def qwen2_vl_processor():
             self.video_token_id = None
             ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
-    words = trainer_data.tokenizer()
-    words.add_special_tokens({"additional_special_tokens": list(QWEN_TOKENS.values())})
+    words = _words(QWEN_TOKENS)
     images = tf.Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56)
     return Qwen2VLImageProcessor(image_processor=images, tokenizer=words)
 
@@ -365,11 +380,7 @@ def qwen2_vl(dtype=torch.float64):
     config = zoo.tiny_config("qwen2_vl")
     config.vision_config.embed_dim = 32
     config.vision_config.hidden_size = config.get_text_config().hidden_size
-    tokens = qwen2_vl_processor().tokenizer
-    for key, token in QWEN_TOKENS.items():
-        setattr(config, f"{key}_token_id", tokens.convert_tokens_to_ids(token))
-    torch.manual_seed(0)
-    return tf.Qwen2VLForConditionalGeneration(config).to(dtype)
+    return _with_tokens(tf.Qwen2VLForConditionalGeneration, config, QWEN_TOKENS, dtype)
 
 
 GEMMA4_TOKENS = {"boi": "<|image>", "image": "<|image|>", "eoi": "<image|>"}
@@ -385,8 +396,6 @@ def gemma4_processor():
     import transformers as tf
     from transformers.processing_utils import ProcessorMixin
 
-    from examples.recipes import trainer_data
-
     class Gemma4ImageProcessor(tf.Gemma4Processor):
         def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
             self.image_seq_length = 0  # (counts come from the image processor)
@@ -396,8 +405,7 @@ def gemma4_processor():
             self.boa_token = self.eoa_token = ""  # (its input check reads them even without audio)
             ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
-    words = trainer_data.tokenizer()
-    words.add_special_tokens({"additional_special_tokens": list(GEMMA4_TOKENS.values())})
+    words = _words(GEMMA4_TOKENS)
     images = tf.Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70)
     return Gemma4ImageProcessor(image_processor=images, tokenizer=words)
 
@@ -413,11 +421,7 @@ def gemma4(dtype=torch.float64):
     config = zoo.tiny_config("gemma4")
     config.vision_config = media_cases.gemma4_vision("gemma4")
     config.get_text_config().use_bidirectional_attention = "vision"
-    tokens = gemma4_processor().tokenizer
-    for key, token in GEMMA4_TOKENS.items():
-        setattr(config, f"{key}_token_id", tokens.convert_tokens_to_ids(token))
-    torch.manual_seed(0)
-    return tf.Gemma4ForConditionalGeneration(config).to(dtype)
+    return _with_tokens(tf.Gemma4ForConditionalGeneration, config, GEMMA4_TOKENS, dtype)
 
 
 GLM4V_TOKENS = {
@@ -437,8 +441,6 @@ def glm4v_processor():
     import transformers as tf
     from transformers.processing_utils import ProcessorMixin
 
-    from examples.recipes import trainer_data
-
     class Glm4vImageProcessor(tf.Glm4vProcessor):
         def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
             self.image_token, self.video_token = GLM4V_TOKENS["image"], None
@@ -449,8 +451,7 @@ def glm4v_processor():
                 tokenizer.convert_tokens_to_ids(GLM4V_TOKENS[key]) for key in ("video_start", "video_end")
             )
 
-    words = trainer_data.tokenizer()
-    words.add_special_tokens({"additional_special_tokens": list(GLM4V_TOKENS.values())})
+    words = _words(GLM4V_TOKENS)
     images = tf.Glm4vImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 56 * 56})
     return Glm4vImageProcessor(image_processor=images, tokenizer=words)
 
@@ -462,8 +463,4 @@ def glm4v(dtype=torch.float64):
 
     config = zoo.tiny_config("glm4v")
     config.vision_config.out_hidden_size = config.get_text_config().hidden_size
-    tokens = glm4v_processor().tokenizer
-    for key, token in GLM4V_TOKENS.items():
-        setattr(config, f"{key}_token_id", tokens.convert_tokens_to_ids(token))
-    torch.manual_seed(0)
-    return tf.Glm4vForConditionalGeneration(config).to(dtype)
+    return _with_tokens(tf.Glm4vForConditionalGeneration, config, GLM4V_TOKENS, dtype)
